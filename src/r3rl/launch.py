@@ -1,0 +1,35 @@
+"""What ``run.py`` does with a validated config: print the plan, or check the inputs and start the recipe."""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.syntax import Syntax
+
+from r3rl.config.schema import R3RLConfig
+from r3rl.placement import PlacementError
+from r3rl.plan import build_plan, describe
+
+
+def dry_run(cfg: R3RLConfig) -> None:
+    try:
+        plan = build_plan(cfg)
+    except PlacementError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    text = OmegaConf.to_yaml(OmegaConf.create(describe(cfg, plan)), sort_keys=False)
+    console = Console(width=200)
+    console.rule(f"[bold]launch plan: {cfg.run.name}[/] (dry run: nothing started)")
+    console.print(Syntax(text, "yaml", word_wrap=True, theme="ansi_dark"))
+
+
+def launch(cfg: R3RLConfig) -> None:
+    try:
+        from recipes.grpo import run_recipe
+    except ImportError:
+        print("error: the GRPO recipe (recipes/grpo.py) is not part of this version yet; "
+              "inspect the launch with run.dry_run=true", file=sys.stderr)
+        sys.exit(2)
+    run_recipe(cfg)

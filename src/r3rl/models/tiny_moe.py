@@ -1,0 +1,132 @@
+"""A random Qwen3-MoE and a byte-level BPE tokenizer made locally, so CPU runs and tests need no model hub.
+
+Generation is deterministic (fixed seeds, fixed corpus): the same config gives the same files on every machine.
+Files are written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from r3rl.config.schema import ModelConfig
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML, as Qwen3 uses it; enough for prompts wrapped by the data pipeline.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    """Text the BPE is trained on: arithmetic in the shapes the prompt generator uses, plus some prose."""
+    lines = [
+        "What is 12 + 7? Think step by step and put the final answer in \\boxed{}.",
+        "The answer is \\boxed{19}.",
+        "Rollout routing replay keeps the experts of the rollout in the trainer.",
+        "Mixture of experts models route every token to a few experts in each layer.",
+        "The quick brown fox jumps over the lazy dog.",
+    ]
+    for a in range(0, 100, 3):
+        for b in range(0, 100, 7):
+            lines.append(f"Compute {a} + {b} = {a + b}. Compute {a} * {b} = {a * b}. {a} - {b} = {a - b}.")
+    return lines
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"model.vocab_size={vocab_size} is too small for the tokenizer ({tok.get_vocab_size()})")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        unk_token=None, additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_hf_config(model: ModelConfig, eos_token_id: int, pad_token_id: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.moe_ffn_hidden_size * model.moe_topk,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups,
+        head_dim=model.head_dim,
+        num_experts=model.num_experts,
+        num_experts_per_tok=model.moe_topk,
+        moe_intermediate_size=model.moe_ffn_hidden_size,
+        norm_topk_prob=model.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=model.max_position_embeddings,
+        rms_norm_eps=model.rms_norm_eps,
+        rope_theta=model.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+        tie_word_embeddings=model.tie_word_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        router_aux_loss_coef=0.0,
+        torch_dtype="float32",
+    )
+
+
+def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
+    """Write a random Qwen3-MoE of ``model``'s shape with its tokenizer to ``out_dir``."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(model.vocab_size)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    hf_config = build_hf_config(model, eos, pad)
+    torch.manual_seed(model.init_seed)
+    net = Qwen3MoeForCausalLM(hf_config).to(torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        net.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "r3rl_generated.json").write_text(json.dumps({"init_seed": model.init_seed, "name": model.name}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def ensure_checkpoint(model: ModelConfig) -> Path:
+    """The checkpoint folder, generated first when the config allows; a clear error when it is missing."""
+    path = Path(model.checkpoint)
+    if (path / "config.json").is_file():
+        return path
+    if not model.generate_if_missing:
+        raise FileNotFoundError(
+            f"model.checkpoint={model.checkpoint}: no config.json there. Point model.checkpoint at a local HF "
+            f"checkpoint of {model.name} (runs never download from a model hub)."
+        )
+    return generate(model, path)

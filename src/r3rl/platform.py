@@ -1,0 +1,22 @@
+"""What kind of machine this is. Read once by ``run.py``; everything below it takes the answer from the config."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+
+def visible_gpu_count() -> int:
+    """Number of NVIDIA GPUs visible, without importing torch (run.py must stay fast for dry runs)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def default_parallelism() -> str:
+    """The parallelism group used when the command line names none."""
+    return "disaggregated_4p4" if visible_gpu_count() > 0 else "cpu"
