@@ -6,6 +6,7 @@ Files are written to a temporary folder and renamed into place, so a crash never
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -92,6 +93,14 @@ def build_hf_config(model: ModelConfig, eos_token_id: int, pad_token_id: int):
     )
 
 
+MARKER = "r3rl_generated.json"
+
+
+def _fingerprint(model: ModelConfig) -> dict:
+    """What a generated checkpoint was made from; a cached one with another shape or seed is regenerated."""
+    return {k: v for k, v in vars(model).items() if not k.startswith("_") and k not in ("checkpoint", "generate_if_missing")}
+
+
 def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
     """Write a random Qwen3-MoE of ``model``'s shape with its tokenizer to ``out_dir``."""
     import torch
@@ -109,7 +118,7 @@ def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
     try:
         net.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "r3rl_generated.json").write_text(json.dumps({"init_seed": model.init_seed, "name": model.name}))
+        (tmp / MARKER).write_text(json.dumps(_fingerprint(model), sort_keys=True))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -120,13 +129,26 @@ def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
 
 
 def ensure_checkpoint(model: ModelConfig) -> Path:
-    """The checkpoint folder, generated first when the config allows; a clear error when it is missing."""
+    """The checkpoint folder, generated first when the config allows; a clear error when it is missing.
+
+    A folder this module generated is regenerated when the model config changed; any other checkpoint is used as
+    it is and never overwritten. Concurrent callers (test workers, Ray actors) serialise on a lock file.
+    """
     path = Path(model.checkpoint)
-    if (path / "config.json").is_file():
-        return path
     if not model.generate_if_missing:
-        raise FileNotFoundError(
-            f"model.checkpoint={model.checkpoint}: no config.json there. Point model.checkpoint at a local HF "
-            f"checkpoint of {model.name} (runs never download from a model hub)."
-        )
-    return generate(model, path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.checkpoint={model.checkpoint}: no config.json there. Point model.checkpoint at a local HF "
+                f"checkpoint of {model.name} (runs never download from a model hub)."
+            )
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        marker = path / MARKER
+        if marker.is_file():
+            if json.loads(marker.read_text()) == json.loads(json.dumps(_fingerprint(model))):
+                return path
+        elif (path / "config.json").is_file():
+            return path  # a checkpoint of someone else's making: use it, never overwrite it
+        return generate(model, path)

@@ -1,0 +1,76 @@
+"""run.py as a user calls it: bad overrides fail fast with the key named; dry runs print the plan, start nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from r3rl.config import CONF_DIR
+
+REPO = CONF_DIR.parent
+
+
+def run_py(*args: str) -> subprocess.CompletedProcess:
+    # a timeout, not a timing assertion: a config error must never reach anything that could hang
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.num_layerz=3", "model.num_layerz"),
+        ("rollout.temperature=hot", "rollout.temperature"),
+        ("rollout.sampling.temperature=hot", "rollout.sampling.temperature"),
+        ("parallelism.rollout.tensor_parallel=3", "parallelism.rollout.tensor_parallel"),
+        ("rollout=vllm_r4", "vllm_r4"),
+    ],
+)
+def test_bad_override_fails_naming_the_key(override, key):
+    out = run_py(override, "run.dry_run=true")
+    assert out.returncode != 0
+    assert key in out.stderr + out.stdout
+    assert "launch plan" not in out.stdout
+
+
+def test_dry_run_disaggregated_4p4_r3():
+    out = run_py("model=qwen3_30b", "rollout=vllm_r3", "parallelism=disaggregated_4p4", "run.dry_run=true")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for rank in range(4):
+        assert f"rank {rank}: node 0 GPU {rank}" in text
+    assert "engine 0: node 0 GPUs 4,5,6,7" in text
+    assert "--tensor-parallel-size 4" in text and "--enable-expert-parallel" in text
+    assert "--enable-return-routed-experts" in text
+    assert "CUDA_VISIBLE_DEVICES: 4,5,6,7" in text
+    assert "moe_enable_routing_replay: true" in text
+    assert "r3:on" in text and "group: qwen3_30b-disaggregated_4p4" in text
+
+
+def test_dry_run_plan_for_cpu_default_has_cpu_profile_only_there():
+    cpu = run_py("run.dry_run=true", "parallelism=cpu")
+    gpu = run_py("model=qwen3_30b", "parallelism=colocated", "run.dry_run=true")
+    assert cpu.returncode == 0 and gpu.returncode == 0, cpu.stderr + gpu.stderr
+    assert "TRITON_INTERPRET" in cpu.stdout and "logical_gpus: true" in cpu.stdout
+    assert "TRITON_INTERPRET" not in gpu.stdout and "VLLM_USE_V2_MODEL_RUNNER" not in gpu.stdout
+
+
+def test_dry_run_starts_nothing(tmp_path):
+    out = run_py("run.dry_run=true", "parallelism=cpu", f"run.output_dir={tmp_path}/run")
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "wandb").exists()
+
+
+def test_parallelism_defaults_to_the_machine_unless_named(monkeypatch):
+    sys.path.insert(0, str(REPO))
+    import run
+
+    # No GPU can be made to appear here: stand in for the detection (both answers), the rest is real.
+    for found in ("cpu", "disaggregated_4p4"):
+        monkeypatch.setattr(run, "default_parallelism", lambda found=found: found)
+        assert run._with_default_parallelism(["run.py", "model=tiny_moe"]) == ["run.py", "model=tiny_moe",
+                                                                                f"parallelism={found}"]
+    for named in (["parallelism=colocated"], ["experiment=qwen3_30b_r3_4p4"], ["--cfg", "job"]):
+        assert run._with_default_parallelism(["run.py", *named]) == ["run.py", *named]

@@ -1,0 +1,71 @@
+"""Cross-field checks fail before anything starts and name the key to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from r3rl.config import ConfigError, compose
+from r3rl.config.validate import estimate_params
+
+GPU = "parallelism=disaggregated_4p4"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ([GPU, "parallelism.rollout.tensor_parallel=3"], "parallelism.rollout.num_engines"),
+        ([GPU, "parallelism.rollout.num_engines=2"], "parallelism.rollout.num_engines"),
+        ([GPU, "parallelism.rollout.num_gpus=6", "parallelism.rollout.num_engines=6",
+          "parallelism.rollout.tensor_parallel=1"], "parallelism.rollout.num_gpus"),
+        ([GPU, "parallelism.trainer.expert_parallel=3", "parallelism.trainer.num_gpus=3",
+          "parallelism.rollout.num_gpus=4"], "parallelism.trainer.expert_parallel"),
+        ([GPU, "parallelism.trainer.tensor_parallel=2"], "parallelism.trainer.sequence_parallel"),
+        ([GPU, "parallelism.trainer.sequence_parallel=true"], "parallelism.trainer.sequence_parallel"),
+        ([GPU, "parallelism.trainer.pipeline_parallel=3", "parallelism.trainer.num_gpus=3",
+          "parallelism.trainer.expert_parallel=1"], "parallelism.trainer.pipeline_parallel"),
+        (["parallelism=colocated", "parallelism.rollout.num_gpus=4", "parallelism.rollout.num_engines=1"],
+         "parallelism.rollout.num_gpus"),
+        (["trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
+        (["model.num_experts=1", "model.moe_topk=1", "parallelism=cpu"], "rollout"),
+        (["algorithm.global_batch_size=5"], "algorithm.global_batch_size"),
+        ([GPU, "algorithm.global_batch_size=2", "algorithm.rollout_batch_size=2", "algorithm.n_samples_per_prompt=2"],
+         "algorithm.global_batch_size"),
+        (["algorithm.n_samples_per_prompt=1", "algorithm.global_batch_size=4"], "algorithm.n_samples_per_prompt"),
+        (["rollout.sampling.max_tokens=1000"], "rollout.engine.max_model_len"),
+        (["rollout.engine.dtype=fp8"], "rollout.engine.dtype"),
+        (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
+        (["trainer.moe_token_dispatcher_type=alltoall"], "trainer.moe_token_dispatcher_type"),
+        (["model=qwen3_30b", "parallelism=cpu"], "parallelism"),
+        ([GPU, "parallelism.rollout.num_engines=1", "rollout.engine.url=localhost:8000"], "rollout.engine.url"),
+        (["model.moe_topk=9"], "model.moe_topk"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_cross_field_error_names_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    assert key in [k for k, _ in info.value.problems], info.value.problems
+    assert key in str(info.value)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        compose(["rollout.engine.dtype=fp8", "logger.wandb.mode=x", "trainer.moe_router_fusion=true"])
+    keys = {k for k, _ in info.value.problems}
+    assert {"rollout.engine.dtype", "logger.wandb.mode", "trainer.moe_router_fusion"} <= keys
+
+
+def test_plus_override_of_unknown_key_is_refused():
+    """`+key=` bypasses Hydra's struct check; load_config still refuses keys outside the schema."""
+    with pytest.raises(ConfigError, match=r"model\.num_layerz"):
+        compose(["+model.num_layerz=3"])
+
+
+def test_no_replay_baseline_accepts_router_fusion():
+    cfg = compose(["rollout=vllm", "trainer.moe_router_fusion=true"])
+    assert cfg.rollout.routing_replay is False
+
+
+def test_qwen3_30b_parameter_estimate_matches_published_size():
+    cfg = compose(["model=qwen3_30b", GPU])
+    assert 30.0e9 < estimate_params(cfg.model) < 31.0e9  # Qwen3-30B-A3B: 30.5B parameters
