@@ -39,15 +39,17 @@ class Placement:
     cpus_per_bundle: float
 
     def bundles(self, role: str) -> list[dict[str, float]]:
-        """Ray placement-group bundles of one role ("trainer" or "rollout"), one GPU each, in rank order."""
-        count = len(self.trainer) if role == "trainer" else sum(len(e.gpus) for e in self.engines)
-        return [{"GPU": 1.0, "CPU": self.cpus_per_bundle} for _ in range(count)]
+        """Ray placement-group bundles of a role: one GPU per trainer rank; one bundle per engine holding all of
+        that engine's GPUs (a Ray actor fits in one bundle, and vLLM spawns its TP/DP workers inside it)."""
+        if role == "trainer":
+            return [{"GPU": 1.0, "CPU": self.cpus_per_bundle} for _ in self.trainer]
+        return [{"GPU": float(len(e.gpus)), "CPU": self.cpus_per_bundle} for e in self.engines]
 
     def bundle_nodes(self, role: str) -> list[int]:
         """Node index of each bundle of ``role``, in the order of ``bundles``."""
         if role == "trainer":
             return [gpu.node for gpu in self.trainer]
-        return [e.node for e in self.engines for _ in e.gpus]
+        return [e.node for e in self.engines]
 
     def gpus_of(self, role: str) -> list[GPU]:
         if role == "trainer":

@@ -1,0 +1,77 @@
+"""Checkpoint folders of a run: ``<run.output_dir>/checkpoints/step_NNNNNN/`` plus a ``latest`` pointer.
+
+A checkpoint is written into a temporary folder and renamed into place, and ``latest`` is replaced atomically
+after it, so a job killed mid-save always leaves the previous checkpoint usable. ``meta.json`` holds what the
+recipe needs to continue: the step, the data position and the W&B run id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+META = "meta.json"
+LATEST = "latest"
+
+
+@dataclass
+class CheckpointMeta:
+    step: int  # steps completed; the resumed run continues with step + 1
+    wandb_run_id: str | None = None
+    data_state: dict[str, Any] = field(default_factory=dict)
+    weight_version: int = 0
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def save(run_dir: Path, meta: CheckpointMeta, write_state: Callable[[Path], None], keep: int = 2) -> Path:
+    """Write a checkpoint: ``write_state(folder)`` stores the trainer state, then meta.json, then ``latest``."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(meta.step)
+    tmp = root / f".{final.name}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write_state(tmp)
+    (tmp / META).write_text(json.dumps(asdict(meta), indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    _prune(root, keep)
+    return final
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder, or None."""
+    root = checkpoint_root(run_dir)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    folder = root / pointer.read_text().strip()
+    if not (folder / META).is_file():
+        raise FileNotFoundError(f"{pointer} names {folder.name}, which has no {META}: the checkpoint is incomplete")
+    return folder
+
+
+def read_meta(folder: Path) -> CheckpointMeta:
+    return CheckpointMeta(**json.loads((folder / META).read_text()))
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
