@@ -1,0 +1,5 @@
+import sys
+
+from r3rl.dashboard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""The same comparison panels drawn locally from the runs' offline files: ``comparison.png`` and a self-contained
+``comparison.html`` (one inline SVG per panel, the runs, and a table of the key metrics per run)."""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on training nodes or in CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from r3rl.dashboard.panels import PANELS, Panel  # noqa: E402
+from r3rl.dashboard.report import RUNSET_NAMES  # noqa: E402
+from r3rl.tracking.offline_reader import OfflineRun  # noqa: E402
+from r3rl.tracking.summary import summarize  # noqa: E402
+
+# R3 on / off keep their colour in every panel; a family (one line per layer) takes shades of it.
+_COLOURS = {True: ("tab:blue", "Blues"), False: ("tab:orange", "Oranges"), None: ("tab:green", "Greens")}
+_STYLES = ("-", "--", ":", "-.")
+
+
+def run_label(run: OfflineRun) -> str:
+    return f"{RUNSET_NAMES[run.r3]}: {run.name or run.run_id}"
+
+
+def _short_label(run: OfflineRun, runs: Sequence[OfflineRun]) -> str:
+    """"R3 on" when it names one run of the comparison, else with the run's name."""
+    alone = sum(1 for r in runs if r.r3 is run.r3) == 1
+    return RUNSET_NAMES[run.r3] if alone else run_label(run)
+
+
+def draw_panel(ax: Axes, panel: Panel, runs: Sequence[OfflineRun]) -> int:
+    """Draw ``panel`` for every run on ``ax``; returns the number of lines drawn."""
+    lines = 0
+    for run_index, run in enumerate(runs):
+        keys = panel.select(run.metric_keys())
+        colour, cmap_name = _COLOURS[run.r3]
+        style_offset = sum(1 for r in runs[:run_index] if r.r3 is run.r3)  # two runs of one state: other dashes
+        family = len(keys) > len(_STYLES)
+        cmap = plt.get_cmap(cmap_name)
+        for i, key in enumerate(keys):
+            steps, values = run.series(key)
+            if family:
+                shade = cmap(0.35 + 0.6 * i / max(len(keys) - 1, 1))
+                style = _STYLES[style_offset % len(_STYLES)]
+            else:
+                shade, style = colour, _STYLES[(i + style_offset) % len(_STYLES)]
+            ax.plot(steps, [math.nan if v is None else v for v in values], style, color=shade, marker=".",
+                    label=f"{_short_label(run, runs)}: {key}")
+            lines += 1
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel(panel.x)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(panel.y_label)
+    ax.grid(alpha=0.3)
+    if lines:
+        ax.legend(fontsize=6, ncol=2 if lines > 6 else 1)
+    else:
+        ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
+    return lines
+
+
+def write_png(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] = PANELS) -> Path:
+    cols = 2
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4 * rows), squeeze=False)
+    try:
+        for ax, panel in zip(axes.flat, panels):
+            draw_panel(ax, panel, runs)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
+        fig.suptitle(" vs ".join(run_label(r) for r in runs), fontsize=11)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _panel_svg(panel: Panel, runs: Sequence[OfflineRun]) -> str:
+    # text as text (no per-SVG glyph definitions whose ids would repeat across the page), stable ids
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": panel.title}):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        try:
+            draw_panel(ax, panel, runs)
+            fig.tight_layout()
+            buf = io.StringIO()
+            fig.savefig(buf, format="svg")
+        finally:
+            plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg"):]  # drop the XML prolog: the SVG sits inside HTML
+
+
+def _fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.4g}"
+
+
+def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] = PANELS) -> Path:
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html>", "<html><head><meta charset='utf-8'><title>R3 comparison</title>",
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}</style>",
+        "</head><body>", "<h1>R3 comparison</h1>", "<h2>Runs</h2>",
+        "<table><tr><th>run</th><th>id</th><th>R3</th><th>group</th><th>tags</th><th>steps</th><th>files</th></tr>",
+    ]
+    for r in runs:
+        parts.append(
+            f"<tr><td>{e(r.name)}</td><td>{e(r.run_id)}</td><td>{e(RUNSET_NAMES[r.r3])}</td><td>{e(r.group)}</td>"
+            f"<td>{e(', '.join(r.tags))}</td><td>{len(r.history)}</td>"
+            f"<td>{e(', '.join(str(f) for f in r.files))}</td></tr>"
+        )
+    parts.append("</table>")
+    for panel in panels:
+        parts += [f"<h2>{e(panel.title)}</h2>", _panel_svg(panel, runs)]
+    stats = [summarize(r.history) for r in runs]
+    keys = list(dict.fromkeys(k for s in stats for k in s))
+    parts += ["<h2>Key metrics (mean over steps)</h2>", "<table><tr><th>metric</th>"]
+    parts += [f"<th>{e(run_label(r))}</th>" for r in runs] + ["</tr>"]
+    for key in keys:
+        cells = "".join(f"<td>{_fmt(s[key]['mean']) if key in s else ''}</td>" for s in stats)
+        parts.append(f"<tr><td>{e(key)}</td>{cells}</tr>")
+    parts += ["</table>", "</body></html>"]
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path
+
+
+def write_comparison(runs: Sequence[OfflineRun], out_dir: str | Path) -> tuple[Path, Path]:
+    """``<out_dir>/comparison.png`` and ``<out_dir>/comparison.html`` of ``runs``."""
+    if not runs:
+        raise ValueError("write_comparison: no runs to compare")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return write_png(runs, out / "comparison.png"), write_html(runs, out / "comparison.html")

@@ -1,0 +1,40 @@
+"""The comparison panels, defined once for the W&B report and for the local plots."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from r3rl import metrics as M
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    x: str  # the step axis of the panel's metrics
+    keys: tuple[str, ...] = ()  # metrics drawn when present
+    pattern: str | None = None  # or a family of metrics (one per layer, one per stage)
+    y_label: str = ""
+
+    def select(self, available: Iterable[str]) -> list[str]:
+        """The panel's metrics among ``available``, in a stable order (families sorted by name)."""
+        names = set(available)
+        out = [k for k in self.keys if k in names]
+        if self.pattern is not None:
+            rx = re.compile(self.pattern)
+            out += sorted(k for k in names if rx.fullmatch(k) and k not in out)
+        return out
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("Log-prob |trainer - rollout|: with vs without R3 replay", M.STEP_AXES["train"],
+          keys=(M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY), y_label="mean |log-prob diff|"),
+    Panel("Routing flip rate per layer", M.STEP_AXES["r3"],
+          keys=(M.ROUTING_FLIP_RATE,), pattern=r"r3/routing_flip_rate/layer_\d+", y_label="share of tokens"),
+    Panel("Token mult prob error (NeMo-RL)", M.STEP_AXES["train"], keys=(M.TOKEN_MULT_PROB_ERROR,),
+          y_label="mean exp(|log-prob diff|)"),
+    Panel("Reward", M.STEP_AXES["rollout"], keys=(M.REWARD_MEAN,), y_label="mean reward"),
+    Panel("Perf: time per stage", M.STEP_AXES["perf"], keys=(M.PERF_STEP_TIME,), pattern=r"perf/.+_time_s",
+          y_label="seconds"),
+)

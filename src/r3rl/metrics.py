@@ -1,0 +1,290 @@
+"""Every metric r3rl logs, defined once, as pure numpy functions; and the names they are logged under.
+
+Names follow prior art so runs compare with other stacks:
+
+- ``train/logprob_abs_diff``: slime's ``train_rollout_logprob_abs_diff`` (per-sample masked mean of
+  |trainer - rollout| log-prob, then the mean over samples). With R3 on the trainer's log-probs are computed with
+  the rollout's routes replayed; ``train/logprob_abs_diff_no_replay`` is the same figure on the same batch without
+  replay, so one run shows what R3 removes.
+- ``train/token_mult_prob_error``: NeMo-RL's masked mean of exp(|trainer - rollout|) over all valid tokens of the
+  batch (1.0 is a perfect match; their R3 recipe gates on its median < 1.02).
+- ``train/k3_kl``: the k3 estimator of KL(rollout || trainer) on the rollout's tokens, token masked mean (verl's
+  ``rollout_corr/k3_kl``).
+- ``r3/routing_flip_rate``: share of (token, layer) rows whose top-k expert *set* differs between the trainer's own
+  router and the rollout's, overall and per layer (``r3/routing_flip_rate/layer_{i:02d}``).
+- ``r3/missing_route_fraction``: share of route rows the engine did not return (filled by a fallback).
+
+Token-level inputs are sequences with one 1-D array per sample (ragged) or 2-D arrays ``[samples, tokens]``
+(padded; the mask zeroes the padding). Everything is computed in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+import numpy as np
+
+ArrayRows = Union[Sequence[np.ndarray], np.ndarray]
+
+# Each prefix has its own step axis (``<prefix>/step``); the W&B logger defines them from this table.
+PREFIXES: tuple[str, ...] = ("train", "rollout", "r3", "perf")
+STEP_AXES: dict[str, str] = {prefix: f"{prefix}/step" for prefix in PREFIXES}
+
+LOGPROB_ABS_DIFF = "train/logprob_abs_diff"
+LOGPROB_ABS_DIFF_NO_REPLAY = "train/logprob_abs_diff_no_replay"
+TOKEN_MULT_PROB_ERROR = "train/token_mult_prob_error"
+K3_KL = "train/k3_kl"
+LOSS = "train/loss"
+GRAD_NORM = "train/grad_norm"
+ROUTING_FLIP_RATE = "r3/routing_flip_rate"
+ROUTING_FLIP_RATE_LAYER = "r3/routing_flip_rate/layer_{layer:02d}"
+MISSING_ROUTE_FRACTION = "r3/missing_route_fraction"
+REWARD_MEAN = "rollout/reward_mean"
+REWARD_STD = "rollout/reward_std"
+REWARD_MIN = "rollout/reward_min"
+REWARD_MAX = "rollout/reward_max"
+RESPONSE_LENGTH_MEAN = "rollout/response_length_mean"
+RESPONSE_LENGTH_MIN = "rollout/response_length_min"
+RESPONSE_LENGTH_MAX = "rollout/response_length_max"
+PERF_TIME = "perf/{stage}_time_s"
+PERF_STEP_TIME = "perf/step_time_s"
+PERF_TOKENS_PER_S = "perf/tokens_per_s"
+PERF_ROLLOUT_TOKENS_PER_S = "perf/rollout_tokens_per_s"
+
+# The stages the recipe times; others are accepted and logged the same way.
+PERF_STAGES: tuple[str, ...] = ("rollout", "logprobs", "train", "weight_sync")
+
+
+def flip_rate_key(layer: int) -> str:
+    return ROUTING_FLIP_RATE_LAYER.format(layer=layer)
+
+
+def perf_time_key(stage: str) -> str:
+    return PERF_TIME.format(stage=stage)
+
+
+def _rows(name: str, values: ArrayRows) -> list[np.ndarray]:
+    rows = [np.asarray(v, dtype=np.float64) for v in values]
+    for i, row in enumerate(rows):
+        if row.ndim != 1:
+            raise ValueError(f"{name}[{i}]: expected a 1-D array of per-token values, got shape {row.shape}")
+    return rows
+
+
+def _aligned(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows):
+    t, r, m = _rows("trainer_lps", trainer_lps), _rows("rollout_lps", rollout_lps), _rows("masks", masks)
+    if not len(t) == len(r) == len(m):
+        raise ValueError(f"sample counts differ: trainer_lps {len(t)}, rollout_lps {len(r)}, masks {len(m)}")
+    for i, (a, b, c) in enumerate(zip(t, r, m)):
+        if not a.shape == b.shape == c.shape:
+            raise ValueError(
+                f"sample {i}: token counts differ: trainer_lps {a.shape}, rollout_lps {b.shape}, masks {c.shape}"
+            )
+    return t, r, m
+
+
+def _token_masked_mean(per_token: list[np.ndarray], masks: list[np.ndarray]) -> float:
+    """Mean over every valid token of the batch (NeMo-RL / verl normalisation: long samples weigh more)."""
+    total = sum(float(m.sum()) for m in masks)
+    if total == 0:
+        return float("nan")
+    return sum(float((v * m).sum()) for v, m in zip(per_token, masks)) / total
+
+
+def logprob_abs_diff(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
+    """slime's definition: masked mean of |trainer - rollout| within each sample, then the mean over samples.
+
+    Samples without a valid token (an aborted request) are left out rather than counted as 0, which would pull
+    the mean down. NaN when no sample has a valid token.
+    """
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    per_sample = [float((np.abs(a - b) * c).sum() / c.sum()) for a, b, c in zip(t, r, m) if c.sum() > 0]
+    return float(np.mean(per_sample)) if per_sample else float("nan")
+
+
+def token_mult_prob_error(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
+    """NeMo-RL's ``token_mult_prob_error``: token masked mean of exp(|trainer - rollout|); 1.0 is a perfect match."""
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    return _token_masked_mean([np.exp(np.abs(a - b)) for a, b in zip(t, r)], m)
+
+
+def k3_kl(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
+    """k3 estimate of KL(rollout || trainer) on the rollout's tokens: mean of exp(d) - d - 1, d = trainer - rollout.
+
+    Always >= 0 per token, unbiased, and lower-variance than the plain log-ratio (k1) estimator.
+    """
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    return _token_masked_mean([np.expm1(a - b) - (a - b) for a, b in zip(t, r)], m)
+
+
+def routing_flip_per_layer(
+    rollout_routes: Sequence[np.ndarray],
+    trainer_routes: Sequence[np.ndarray],
+    row_masks: Sequence[np.ndarray] | None = None,
+) -> np.ndarray:
+    """Per layer, the share of token rows whose top-k expert set differs between trainer and rollout.
+
+    ``rollout_routes[i]`` and ``trainer_routes[i]`` are ``[rows, layers, k]`` expert ids of sample i (the order
+    within the k ids does not matter: only the set decides which experts run). ``row_masks[i]`` (``[rows]``, bool)
+    selects the rows to count, e.g. leaving out rows the engine did not return. Returns float64 ``[layers]``.
+    """
+    if len(rollout_routes) != len(trainer_routes):
+        raise ValueError(
+            f"sample counts differ: rollout_routes {len(rollout_routes)}, trainer_routes {len(trainer_routes)}"
+        )
+    if row_masks is not None and len(row_masks) != len(rollout_routes):
+        raise ValueError(f"sample counts differ: routes {len(rollout_routes)}, row_masks {len(row_masks)}")
+    flips: np.ndarray | None = None
+    rows = 0
+    for i, (a, b) in enumerate(zip(rollout_routes, trainer_routes)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape or a.ndim != 3:
+            raise ValueError(f"sample {i}: routes must both be [rows, layers, k]; got {a.shape} and {b.shape}")
+        differs = np.any(np.sort(a, axis=-1) != np.sort(b, axis=-1), axis=-1)  # [rows, layers]
+        if row_masks is not None:
+            keep = np.asarray(row_masks[i], dtype=bool)
+            if keep.shape != (a.shape[0],):
+                raise ValueError(f"sample {i}: row_masks shape {keep.shape}, expected ({a.shape[0]},)")
+            differs = differs[keep]
+        counts = differs.sum(axis=0, dtype=np.int64)
+        if flips is None:
+            flips = counts
+        elif flips.shape != counts.shape:
+            raise ValueError(f"sample {i}: {counts.shape[0]} layers, earlier samples have {flips.shape[0]}")
+        else:
+            flips = flips + counts
+        rows += differs.shape[0]
+    if flips is None:
+        raise ValueError("routing_flip_per_layer: no samples")
+    if rows == 0:
+        return np.full(flips.shape, np.nan)
+    return flips / rows
+
+
+def routing_flip_metrics(per_layer: Sequence[float] | np.ndarray) -> dict[str, float]:
+    """``r3/routing_flip_rate`` (mean over layers: every layer sees the same rows) and one key per layer."""
+    rates = np.asarray(per_layer, dtype=np.float64)
+    if rates.ndim != 1 or rates.size == 0:
+        raise ValueError(f"routing flip rates: expected one value per layer, got shape {rates.shape}")
+    out = {ROUTING_FLIP_RATE: float(rates.mean())}
+    out.update({flip_rate_key(i): float(v) for i, v in enumerate(rates)})
+    return out
+
+
+def missing_route_fraction(missing_rows: Sequence[int] | int, expected_rows: Sequence[int] | int) -> float:
+    """Rows the engine did not return over rows expected (``len(tokens) - 1`` per sample); 0 when none expected.
+
+    Per sample, missing rows must lie in [0, expected]: a negative count (a surplus row not dropped before this)
+    would silently cancel another sample's missing rows.
+    """
+    missing = np.atleast_1d(np.asarray(missing_rows, dtype=np.int64))
+    expected = np.atleast_1d(np.asarray(expected_rows, dtype=np.int64))
+    if missing.shape != expected.shape:
+        raise ValueError(f"missing_rows has {missing.size} entries, expected_rows {expected.size}")
+    bad = np.flatnonzero((missing < 0) | (missing > expected))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"sample {i}: {missing[i]} missing route rows; must lie between 0 and the expected rows "
+                         f"({expected[i]})")
+    total = int(expected.sum())
+    return int(missing.sum()) / total if total else 0.0
+
+
+def reward_stats(rewards: Sequence[float]) -> dict[str, float]:
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size == 0:
+        return {}
+    return {REWARD_MEAN: float(r.mean()), REWARD_STD: float(r.std()), REWARD_MIN: float(r.min()),
+            REWARD_MAX: float(r.max())}
+
+
+def response_length_stats(lengths: Sequence[int]) -> dict[str, float]:
+    n = np.asarray(lengths, dtype=np.float64)
+    if n.size == 0:
+        return {}
+    return {RESPONSE_LENGTH_MEAN: float(n.mean()), RESPONSE_LENGTH_MIN: float(n.min()),
+            RESPONSE_LENGTH_MAX: float(n.max())}
+
+
+def perf_metrics(
+    timings_s: Mapping[str, float],
+    *,
+    step_time_s: float | None = None,
+    num_tokens: int | None = None,
+    num_response_tokens: int | None = None,
+) -> dict[str, float]:
+    """``perf/<stage>_time_s`` per stage, ``perf/step_time_s`` (given, else the sum of the stages) and throughputs.
+
+    ``perf/tokens_per_s`` = prompt + response tokens of the step over the step time; ``perf/rollout_tokens_per_s``
+    = generated tokens over the rollout time.
+    """
+    out: dict[str, float] = {}
+    for stage, seconds in timings_s.items():
+        if not stage or "/" in stage:
+            raise ValueError(f"timing stage {stage!r}: use a plain name such as {', '.join(PERF_STAGES)}")
+        out[perf_time_key(stage)] = float(seconds)
+    step = float(step_time_s) if step_time_s is not None else float(sum(timings_s.values()))
+    if step_time_s is not None or timings_s:
+        out[PERF_STEP_TIME] = step
+    if num_tokens is not None and step > 0:
+        out[PERF_TOKENS_PER_S] = num_tokens / step
+    rollout_s = timings_s.get("rollout")
+    if num_response_tokens is not None and rollout_s:
+        out[PERF_ROLLOUT_TOKENS_PER_S] = num_response_tokens / float(rollout_s)
+    return out
+
+
+def step_metrics(
+    *,
+    rollout_logprobs: ArrayRows,
+    trainer_logprobs: ArrayRows,
+    loss_masks: ArrayRows,
+    trainer_logprobs_no_replay: ArrayRows | None = None,
+    rewards: Sequence[float] = (),
+    response_lengths: Sequence[int] = (),
+    prompt_lengths: Sequence[int] = (),
+    routing_flip_per_layer: Sequence[float] | np.ndarray | None = None,
+    missing_rows: Sequence[int] | None = None,
+    expected_rows: Sequence[int] | None = None,
+    loss: float | None = None,
+    grad_norm: float | None = None,
+    timings_s: Mapping[str, float] | None = None,
+    step_time_s: float | None = None,
+) -> dict[str, float]:
+    """The dict logged for one step (one ``wandb.log``), every key under ``train/``, ``rollout/``, ``r3/``, ``perf/``.
+
+    ``trainer_logprobs`` are the log-probs the loss uses: with the rollout's routes replayed when R3 is on.
+    ``trainer_logprobs_no_replay`` are the same batch's log-probs without replay; leave it None when R3 is off
+    (the trainer's log-probs are then already without replay, and the no-replay figure equals the main one, so
+    both runs of a comparison carry both keys). Inputs left None are not logged.
+    """
+    out: dict[str, float] = {
+        LOGPROB_ABS_DIFF: logprob_abs_diff(trainer_logprobs, rollout_logprobs, loss_masks),
+        TOKEN_MULT_PROB_ERROR: token_mult_prob_error(trainer_logprobs, rollout_logprobs, loss_masks),
+        K3_KL: k3_kl(trainer_logprobs, rollout_logprobs, loss_masks),
+    }
+    out[LOGPROB_ABS_DIFF_NO_REPLAY] = (
+        out[LOGPROB_ABS_DIFF] if trainer_logprobs_no_replay is None
+        else logprob_abs_diff(trainer_logprobs_no_replay, rollout_logprobs, loss_masks)
+    )
+    if loss is not None:
+        out[LOSS] = float(loss)
+    if grad_norm is not None:
+        out[GRAD_NORM] = float(grad_norm)
+    out.update(reward_stats(rewards))
+    out.update(response_length_stats(response_lengths))
+    if routing_flip_per_layer is not None:
+        out.update(routing_flip_metrics(routing_flip_per_layer))
+    if (missing_rows is None) != (expected_rows is None):
+        raise ValueError("missing_rows and expected_rows go together: pass both or neither")
+    if missing_rows is not None and expected_rows is not None:
+        out[MISSING_ROUTE_FRACTION] = missing_route_fraction(missing_rows, expected_rows)
+    if timings_s is not None or step_time_s is not None:
+        num_response = int(np.sum(response_lengths)) if len(response_lengths) else None
+        num_tokens = None
+        if num_response is not None and len(prompt_lengths):
+            num_tokens = num_response + int(np.sum(prompt_lengths))
+        out.update(perf_metrics(timings_s or {}, step_time_s=step_time_s, num_tokens=num_tokens,
+                                num_response_tokens=num_response))
+    return out

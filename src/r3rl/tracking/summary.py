@@ -1,0 +1,63 @@
+"""The table printed at the end of a run: the key metrics over the steps logged."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from r3rl import metrics as M
+
+KEY_METRICS: tuple[str, ...] = (
+    M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.TOKEN_MULT_PROB_ERROR, M.K3_KL, M.ROUTING_FLIP_RATE,
+    M.MISSING_ROUTE_FRACTION, M.REWARD_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS, M.GRAD_NORM, M.PERF_STEP_TIME,
+    M.PERF_TOKENS_PER_S,
+)
+REPLAY_RATIO = "logprob_abs_diff replay / no replay"
+
+
+def _fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.4g}"
+
+
+def summarize(history: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEY_METRICS) -> dict[str, dict[str, float]]:
+    """Per key metric present in ``history``: steps, first, last, mean, min, max (NaN steps left out of the stats)."""
+    out: dict[str, dict[str, float]] = {}
+    for key in keys:
+        values = [float(row[key]) for row in history if key in row]
+        finite = [v for v in values if not math.isnan(v)]
+        if not values:
+            continue
+        out[key] = {
+            "steps": len(values), "first": values[0], "last": values[-1],
+            "mean": sum(finite) / len(finite) if finite else math.nan,
+            "min": min(finite) if finite else math.nan, "max": max(finite) if finite else math.nan,
+        }
+    if M.LOGPROB_ABS_DIFF in out and M.LOGPROB_ABS_DIFF_NO_REPLAY in out:
+        ratios = [row[M.LOGPROB_ABS_DIFF] / row[M.LOGPROB_ABS_DIFF_NO_REPLAY] for row in history
+                  if row.get(M.LOGPROB_ABS_DIFF_NO_REPLAY) and M.LOGPROB_ABS_DIFF in row]
+        ratios = [r for r in ratios if not math.isnan(r)]
+        if ratios:
+            out[REPLAY_RATIO] = {"steps": len(ratios), "first": ratios[0], "last": ratios[-1],
+                                 "mean": sum(ratios) / len(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
+
+
+def print_summary(history: Sequence[Mapping[str, Any]], console: Console | None = None,
+                  title: str = "r3rl run summary") -> Table:
+    """Print the key metrics of ``history`` (rows of one step each, as ``WandbLogger.history`` or ``read_run``
+    give them) as a rich table, and return the table."""
+    stats = summarize(history)
+    table = Table(title=f"{title} ({len(history)} steps)")
+    table.add_column("metric", style="bold")
+    for col in ("steps", "first", "last", "mean", "min", "max"):
+        table.add_column(col, justify="right")
+    for key, s in stats.items():
+        table.add_row(key, str(int(s["steps"])), *(_fmt(s[c]) for c in ("first", "last", "mean", "min", "max")))
+    if not stats:
+        table.add_row("(no key metric logged)", "", "", "", "", "", "")
+    (console or Console()).print(table)
+    return table

@@ -1,0 +1,50 @@
+"""The math reward on boxed, last-number, wrong and malformed answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from r3rl.data.reward import extract_answer, math_reward
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "reward"),
+    [
+        ("7 + 5 = 12, so the answer is \\boxed{12}.", "12", 1.0),
+        ("First \\boxed{3}, then corrected: \\boxed{4}", "4", 1.0),  # the last box counts
+        ("First \\boxed{3}, then corrected: \\boxed{4}", "3", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),  # nested braces, compared as numbers
+        ("\\boxed{ 1,000 }", "1000", 1.0),
+        ("\\boxed{$-7$}", "-7", 1.0),
+        ("\\boxed{\\text{yes}}", "yes", 1.0),  # not a number: compared as text
+        ("\\boxed{12} and later 13", "12", 1.0),  # a box wins over a later bare number
+        ("12 - 7 = 5", "5", 1.0),  # no box: the last number, not "-7" or "-5"
+        ("so x = -5", "-5", 1.0),
+        ("3/4 of it", "0.75", 1.0),
+        ("The answer is 12.", 12, 1.0),  # integer labels
+        ("The answer is 12.", "13", 0.0),
+        ("\\boxed{12}", "twelve", 0.0),
+    ],
+)
+def test_math_reward(response, label, reward):
+    assert math_reward(response, label) == reward
+
+
+@pytest.mark.parametrize(
+    ("response", "label"),
+    [
+        ("", "12"),  # nothing generated
+        ("I do not know.", "12"),  # no number at all
+        ("\\boxed{}", "0"),  # an empty box is an empty answer, not a fallback to other numbers
+        ("\\boxed{1/0}", "1"),  # division by zero is no number
+    ],
+)
+def test_malformed_answers_get_zero(response, label):
+    assert math_reward(response, label) == 0.0
+
+
+def test_unclosed_box_falls_back_to_the_last_number():
+    # a response cut off inside the box has no complete box: the last number decides
+    assert extract_answer("the answer is \\boxed{12") == "12"
+    assert math_reward("the answer is \\boxed{12", "12") == 1.0
+    assert math_reward("the answer is \\boxed{\\frac{1}{", "12") == 0.0

@@ -1,0 +1,133 @@
+"""Each metric on cases small enough to compute by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from r3rl import metrics as M
+
+# Sample 0: |diff| 0.2, 0.4 (both valid) -> 0.3.
+# Sample 1: |diff| 0, 0, 0, 0.6 valid, 5.0 masked -> 0.6 / 4 = 0.15.
+# Per sample then mean: (0.3 + 0.15) / 2 = 0.225; a flat token mean would give 1.2 / 6 = 0.2.
+ROLLOUT = [np.array([-1.0, -2.0]), np.array([-1.0, -1.0, -1.0, -1.0, -1.0])]
+TRAINER = [np.array([-1.2, -1.6]), np.array([-1.0, -1.0, -1.0, -0.4, 4.0])]
+MASKS = [np.array([1, 1]), np.array([1, 1, 1, 1, 0])]
+
+
+def test_logprob_abs_diff_is_per_sample_mean_then_mean_over_samples():
+    value = M.logprob_abs_diff(TRAINER, ROLLOUT, MASKS)
+    assert value == pytest.approx(0.225)
+    assert value != pytest.approx(0.2)  # the flat token mean, which weighs long samples more
+
+
+def test_logprob_abs_diff_ignores_masked_tokens_and_empty_samples():
+    # an aborted sample with no valid token neither adds 0 nor divides by 0
+    trainer = TRAINER + [np.array([9.0, 9.0])]
+    rollout = ROLLOUT + [np.array([0.0, 0.0])]
+    masks = MASKS + [np.array([0, 0])]
+    assert M.logprob_abs_diff(trainer, rollout, masks) == pytest.approx(0.225)
+    assert math.isnan(M.logprob_abs_diff([np.array([1.0])], [np.array([0.0])], [np.array([0])]))
+
+
+def test_logprob_abs_diff_accepts_padded_batches():
+    trainer = np.array([[-1.2, -1.6, 0, 0, 0], [-1.0, -1.0, -1.0, -0.4, 4.0]])
+    rollout = np.array([[-1.0, -2.0, 7, 7, 7], [-1.0, -1.0, -1.0, -1.0, -1.0]])
+    masks = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
+    assert M.logprob_abs_diff(trainer, rollout, masks) == pytest.approx(0.225)
+
+
+def test_token_mult_prob_error_is_token_mean_of_exp_abs_diff():
+    # |diff| ln2, 0 in sample 0 and ln4 in sample 1 (its second token is masked): (2 + 1 + 4) / 3
+    trainer = [np.array([math.log(2), 0.0]), np.array([-math.log(4), 50.0])]
+    rollout = [np.array([0.0, 0.0]), np.array([0.0, 0.0])]
+    masks = [np.array([1, 1]), np.array([1, 0])]
+    assert M.token_mult_prob_error(trainer, rollout, masks) == pytest.approx(7 / 3)
+    assert M.token_mult_prob_error(rollout, rollout, masks) == pytest.approx(1.0)
+
+
+def test_k3_kl_by_hand():
+    # d = ln2: 2 - ln2 - 1; d = -ln2: 1/2 + ln2 - 1; their mean is 1/4. The masked token would add e^5 - 6.
+    trainer = [np.array([math.log(2), -math.log(2), 5.0])]
+    rollout = [np.zeros(3)]
+    masks = [np.array([1, 1, 0])]
+    assert M.k3_kl(trainer, rollout, masks) == pytest.approx(0.25)
+    assert M.k3_kl(rollout, rollout, masks) == 0.0
+
+
+def test_mismatched_shapes_name_the_sample():
+    with pytest.raises(ValueError, match="sample 1: token counts differ"):
+        M.logprob_abs_diff(TRAINER, [ROLLOUT[0], ROLLOUT[1][:3]], MASKS)
+    with pytest.raises(ValueError, match="sample counts differ"):
+        M.k3_kl(TRAINER[:1], ROLLOUT, MASKS)
+
+
+# Two samples of 2 rows, 2 layers, top-2. Sample 0: row 0 layer 0 is the same set in another order (no flip),
+# row 0 layer 1 differs. Sample 1: layer 0 differs on both rows. Layer 0: 2 of 4 rows, layer 1: 1 of 4.
+ROLLOUT_ROUTES = [
+    np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dtype=np.uint8),
+    np.array([[[0, 1], [0, 1]], [[2, 3], [0, 1]]], dtype=np.uint8),
+]
+TRAINER_ROUTES = [
+    np.array([[[1, 0], [2, 4]], [[4, 5], [6, 7]]], dtype=np.uint8),
+    np.array([[[0, 2], [0, 1]], [[2, 4], [1, 0]]], dtype=np.uint8),
+]
+
+
+def test_routing_flip_per_layer_compares_expert_sets():
+    per_layer = M.routing_flip_per_layer(ROLLOUT_ROUTES, TRAINER_ROUTES)
+    np.testing.assert_allclose(per_layer, [0.5, 0.25])
+    out = M.routing_flip_metrics(per_layer)
+    assert out == {"r3/routing_flip_rate": pytest.approx(0.375), "r3/routing_flip_rate/layer_00": 0.5,
+                   "r3/routing_flip_rate/layer_01": 0.25}
+
+
+def test_routing_flip_row_mask_leaves_rows_out():
+    # leaving out sample 1's second row: layer 0 now flips on 1 of 3 rows, layer 1 on 1 of 3
+    masks = [np.array([True, True]), np.array([True, False])]
+    np.testing.assert_allclose(M.routing_flip_per_layer(ROLLOUT_ROUTES, TRAINER_ROUTES, masks), [1 / 3, 1 / 3])
+
+
+def test_missing_route_fraction():
+    assert M.missing_route_fraction([2, 0, 1], [10, 10, 10]) == pytest.approx(0.1)
+    assert M.missing_route_fraction(0, 0) == 0.0
+    with pytest.raises(ValueError, match=r"sample 0: 11 missing route rows; must lie between 0 and .* \(10\)"):
+        M.missing_route_fraction([11], [10])
+    # a surplus row counted as -1 must not cancel another sample's missing row
+    with pytest.raises(ValueError, match="sample 1: -1 missing route rows"):
+        M.missing_route_fraction([1, -1], [10, 10])
+
+
+def test_step_metrics_assembles_every_prefix_with_prior_art_names():
+    no_replay = [ROLLOUT[0] + 0.5, ROLLOUT[1] - 1.0]  # |diff| 0.5 everywhere, 1.0 everywhere -> 0.75
+    out = M.step_metrics(
+        rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS,
+        trainer_logprobs_no_replay=no_replay, rewards=[1.0, 0.0, 1.0, 0.0], response_lengths=[2, 5],
+        prompt_lengths=[3, 10], routing_flip_per_layer=[0.5, 0.25], missing_rows=[1, 0], expected_rows=[4, 4],
+        loss=0.125, grad_norm=2.0,
+        timings_s={"rollout": 2.0, "logprobs": 0.5, "train": 1.0, "weight_sync": 0.5},
+    )
+    assert out["train/logprob_abs_diff"] == pytest.approx(0.225)
+    assert out["train/logprob_abs_diff_no_replay"] == pytest.approx(0.75)
+    assert out["r3/routing_flip_rate"] == pytest.approx(0.375)
+    assert out["r3/routing_flip_rate/layer_01"] == 0.25
+    assert out["r3/missing_route_fraction"] == pytest.approx(1 / 8)
+    assert out["rollout/reward_mean"] == 0.5 and out["rollout/reward_std"] == 0.5
+    assert out["rollout/response_length_mean"] == 3.5 and out["rollout/response_length_max"] == 5
+    assert out["train/loss"] == 0.125 and out["train/grad_norm"] == 2.0
+    assert out["perf/rollout_time_s"] == 2.0 and out["perf/weight_sync_time_s"] == 0.5
+    assert out["perf/step_time_s"] == 4.0  # sum of the stages when no step time is given
+    assert out["perf/tokens_per_s"] == pytest.approx(20 / 4.0)  # (2 + 5 + 3 + 10) tokens over 4 s
+    assert out["perf/rollout_tokens_per_s"] == pytest.approx(7 / 2.0)
+    assert {"train/token_mult_prob_error", "train/k3_kl"} <= set(out)
+    assert {k.split("/", 1)[0] for k in out} == set(M.PREFIXES)
+
+
+def test_step_metrics_without_replay_logs_the_same_figure_twice():
+    out = M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS)
+    assert out["train/logprob_abs_diff_no_replay"] == out["train/logprob_abs_diff"] == pytest.approx(0.225)
+    assert not any(k.startswith(("r3/", "perf/", "rollout/")) for k in out)  # inputs not given are not logged
+    with pytest.raises(ValueError, match="go together"):
+        M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS, missing_rows=[1])

@@ -1,0 +1,87 @@
+"""The comparison dashboard from two real offline runs, R3 on and R3 off (no network: the report is not saved)."""
+
+from __future__ import annotations
+
+import html
+import json
+
+import matplotlib.image
+import pytest
+
+from r3rl.config import compose
+from r3rl.dashboard import PANELS, build_report, load_runs, main, report_spec
+from r3rl.plan import wandb_naming
+from r3rl.tracking import WandbLogger
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def run_dirs(tmp_path_factory, make_step_metrics):
+    dirs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+            mp.delenv(var, raising=False)
+        for rollout, r3 in (("vllm_r3", True), ("vllm", False)):
+            cfg = compose(["model=tiny_moe", "parallelism=cpu", f"rollout={rollout}"])
+            run_dir = tmp_path_factory.mktemp(rollout)
+            logger = WandbLogger(cfg, wandb_naming(cfg), run_dir)
+            for step in range(STEPS):
+                logger.log(make_step_metrics(step, r3=r3, seed=int(r3)), step=step)
+            logger.finish()
+            dirs[r3] = run_dir
+    return dirs
+
+
+def test_cli_writes_png_html_and_report_spec(run_dirs, tmp_path):
+    out = tmp_path / "compare"
+    assert main(["--runs", str(run_dirs[True]), str(run_dirs[False]), "--out", str(out), "--entity", "e"]) == 0
+    png = out / "comparison.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(png)
+    assert pixels.shape[0] > 400 and pixels.std() > 0.05  # drawn, not blank
+    page = (out / "comparison.html").read_text()
+    for panel in PANELS:
+        assert f"<h2>{html.escape(panel.title)}</h2>" in page
+    assert page.count("<svg") == len(PANELS)
+    assert "R3 on: tiny_moe-cpu-vllm_r3" in page and "R3 off: tiny_moe-cpu-vllm" in page  # the runs table
+    assert "r3/routing_flip_rate/layer_03" in page  # the per-layer lines of the R3 run are drawn
+    spec = json.loads((out / "report.json").read_text())
+    assert "Routing flip rate per layer" in json.dumps(spec)
+
+
+def test_report_object_validates_offline(run_dirs):
+    runs = load_runs([run_dirs[True], run_dirs[False]])
+    assert sorted(r.r3 for r in runs) == [False, True]
+    report = build_report(runs, entity="test-entity", project="r3rl")
+    assert report.entity == "test-entity" and report.project == "r3rl"
+    spec = report_spec(report)
+    (grid,) = [b for b in spec["blocks"] if b.get("type") == "panel-grid"]
+    runsets = grid["metadata"]["runSets"]
+    assert [rs["name"] for rs in runsets] == ["R3 on", "R3 off"]
+    on_filters = runsets[0]["filters"]["filters"]
+    assert {"key": {"section": "run", "name": "tags"}, "op": "IN", "value": ["r3:on"]}.items() <= on_filters[0].items()
+    assert on_filters[1]["value"] == [r.run_id for r in runs if r.r3]
+    panels = grid["metadata"]["panelBankSectionConfig"]["panels"]
+    titles = [p["config"]["chartTitle"] for p in panels]
+    assert titles == [p.title for p in PANELS]
+    flip = panels[1]["config"]
+    assert flip["xAxis"] == "r3/step"
+    assert [f"r3/routing_flip_rate/layer_{i:02d}" for i in range(4)] == flip["metrics"][1:]
+    assert panels[0]["config"]["metrics"] == ["train/logprob_abs_diff", "train/logprob_abs_diff_no_replay"]
+
+
+def test_save_report_needs_wandb_online(run_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    code = main(["--runs", str(run_dirs[True]), str(run_dirs[False]), "--out", str(tmp_path), "--entity", "e",
+                 "--save-report"])
+    assert code == 1
+    assert "report not saved: WANDB_MODE=offline" in capsys.readouterr().out
+    assert (tmp_path / "comparison.png").is_file()  # the local comparison is written regardless
+
+
+def test_runs_given_twice_are_refused(run_dirs, tmp_path):
+    with pytest.raises(ValueError, match="is given twice"):
+        load_runs([run_dirs[True], run_dirs[True]])
+    with pytest.raises(FileNotFoundError, match="no run-\\*.wandb file"):
+        load_runs([tmp_path])
