@@ -1,0 +1,367 @@
+"""HF <-> Megatron-core weights for Qwen3-MoE.
+
+The mapping works on full (unsharded) tensors; ``shard``/``gather`` move between a full tensor and this rank's
+tensor-parallel slice, and expert ids are offset by the expert-parallel rank. Loading reads only the tensors this
+rank needs from the safetensors files; export gathers every rank's parameters to global rank 0, which writes an HF
+folder (safetensors + the source checkpoint's config and tokenizer) that vLLM and transformers load as is.
+
+Layouts (Megatron side):
+- ``linear_qkv`` rows are grouped per query group g: ``[q rows of g's heads; k_g; v_g]``;
+- an expert's ``linear_fc1`` is ``[gate_proj; up_proj]`` (SwiGLU);
+- ``mlp.gate`` -> ``mlp.router``, ``post_attention_layernorm`` -> ``pre_mlp_layernorm``,
+  ``q_norm``/``k_norm`` -> ``q_layernorm``/``k_layernorm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from r3rl.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_groups: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> "AttentionShape":
+        return cls(model.num_attention_heads, model.num_query_groups, model.head_dim)
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """What a Megatron parameter is, independent of sharding: kind, global layer, global expert."""
+
+    kind: str
+    layer: int | None = None
+    expert: int | None = None
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(?P<seq>\d+)\.(?P<seqfc>linear_fc[12])\.weight"
+    r"|(?P<grpfc>linear_fc[12])\.weight(?P<grp>\d+))$"
+)
+_GLOBAL_KINDS = {
+    "embedding.word_embeddings.weight": "embed",
+    "decoder.final_layernorm.weight": "final_norm",
+    "output_layer.weight": "output",
+}
+_LAYER_KINDS = {
+    "input_layernorm.weight": "input_norm",
+    # TransformerEngine's spec fuses the input norm into linear_qkv
+    "self_attention.linear_qkv.layer_norm_weight": "input_norm",
+    "self_attention.linear_qkv.weight": "qkv",
+    "self_attention.linear_proj.weight": "proj",
+    "self_attention.q_layernorm.weight": "q_norm",
+    "self_attention.k_layernorm.weight": "k_norm",
+    "pre_mlp_layernorm.weight": "pre_mlp_norm",
+    "mlp.router.weight": "router",
+}
+
+
+def parse_name(name: str, layer_numbers: dict[int, int], expert_offset: int) -> ParamRef:
+    """Megatron parameter name (local to this rank) -> ParamRef with global layer and expert ids.
+
+    ``layer_numbers`` maps the local layer index to the global 0-based layer (pipeline stages hold a slice).
+    """
+    if name in _GLOBAL_KINDS:
+        return ParamRef(_GLOBAL_KINDS[name])
+    match = _LAYER.match(name)
+    if match is None:
+        raise KeyError(f"no HF counterpart for Megatron parameter {name}")
+    layer = layer_numbers[int(match.group(1))]
+    rest = match.group(2)
+    if rest in _LAYER_KINDS:
+        return ParamRef(_LAYER_KINDS[rest], layer)
+    expert = _EXPERT.match(rest)
+    if expert is None:
+        raise KeyError(f"no HF counterpart for Megatron parameter {name}")
+    local = int(expert.group("seq") if expert.group("seq") is not None else expert.group("grp"))
+    fc = expert.group("seqfc") or expert.group("grpfc")
+    return ParamRef("fc1" if fc == "linear_fc1" else "fc2", layer, expert_offset + local)
+
+
+def _hf_layer(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def hf_names(ref: ParamRef) -> list[str]:
+    """The HF tensors one Megatron parameter is made of (in concatenation order)."""
+    if ref.kind == "embed":
+        return ["model.embed_tokens.weight"]
+    if ref.kind == "final_norm":
+        return ["model.norm.weight"]
+    if ref.kind == "output":
+        return ["lm_head.weight"]
+    p = _hf_layer(ref.layer)
+    simple = {
+        "input_norm": "input_layernorm.weight",
+        "proj": "self_attn.o_proj.weight",
+        "q_norm": "self_attn.q_norm.weight",
+        "k_norm": "self_attn.k_norm.weight",
+        "pre_mlp_norm": "post_attention_layernorm.weight",
+        "router": "mlp.gate.weight",
+    }
+    if ref.kind in simple:
+        return [p + simple[ref.kind]]
+    if ref.kind == "qkv":
+        return [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]
+    e = f"{p}mlp.experts.{ref.expert}."
+    if ref.kind == "fc1":
+        return [e + "gate_proj.weight", e + "up_proj.weight"]
+    if ref.kind == "fc2":
+        return [e + "down_proj.weight"]
+    raise KeyError(ref.kind)
+
+
+def qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: AttentionShape) -> torch.Tensor:
+    g, d = shape.num_groups, shape.head_dim
+    per_group = shape.num_heads // g
+    hidden = q.shape[1]
+    fused = torch.cat([q.reshape(g, per_group * d, hidden), k.reshape(g, d, hidden), v.reshape(g, d, hidden)], dim=1)
+    return fused.reshape(-1, hidden)
+
+
+def qkv_to_hf(fused: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = shape.num_groups, shape.head_dim
+    per_group = shape.num_heads // g
+    hidden = fused.shape[1]
+    grouped = fused.reshape(g, (per_group + 2) * d, hidden)
+    q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
+def full_from_hf(ref: ParamRef, get: Callable[[str], torch.Tensor], shape: AttentionShape) -> torch.Tensor:
+    parts = [get(n) for n in hf_names(ref)]
+    if ref.kind == "qkv":
+        return qkv_from_hf(*parts, shape)
+    if ref.kind == "fc1":
+        return torch.cat(parts, dim=0)
+    return parts[0]
+
+
+def full_to_hf(ref: ParamRef, full: torch.Tensor, shape: AttentionShape) -> dict[str, torch.Tensor]:
+    names = hf_names(ref)
+    if ref.kind == "qkv":
+        return dict(zip(names, qkv_to_hf(full, shape)))
+    if ref.kind == "fc1":
+        return dict(zip(names, full.chunk(2, dim=0)))
+    return {names[0]: full}
+
+
+# ----------------------------------------------------------------------------------------- tensor parallel slices
+
+def shard(full: torch.Tensor, ref: ParamRef, partition_dim: int | None, size: int, rank: int) -> torch.Tensor:
+    """This rank's slice of a full tensor (``partition_dim`` None: replicated)."""
+    if partition_dim is None or size == 1:
+        return full
+    if ref.kind == "fc1":
+        # gate and up are split separately so every rank holds matching halves of both
+        return torch.cat([shard(h, ParamRef("plain"), 0, size, rank) for h in full.chunk(2, dim=0)], dim=0)
+    length = full.shape[partition_dim]
+    if length % size:
+        raise ValueError(f"{ref}: dimension {partition_dim} of size {length} does not split over {size} ranks")
+    step = length // size
+    return full.narrow(partition_dim, rank * step, step)
+
+
+def unshard(pieces: list[torch.Tensor], ref: ParamRef, partition_dim: int | None) -> torch.Tensor:
+    if partition_dim is None or len(pieces) == 1:
+        return pieces[0]
+    if ref.kind == "fc1":
+        halves = [p.chunk(2, dim=0) for p in pieces]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
+    return torch.cat(pieces, dim=partition_dim)
+
+
+# ------------------------------------------------------------------------------------------------ HF checkpoints
+
+class HFCheckpoint:
+    """Lazy reader of a HF safetensors checkpoint folder (single file, sharded with an index, or several files)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{self.folder}: no *.safetensors files")
+            weight_map = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as handle:
+                    weight_map.update({k: f.name for k in handle.keys()})
+        self.weight_map: dict[str, str] = weight_map
+        self._open = safe_open
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"{self.folder}: checkpoint has no tensor {name}")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(str(self.folder / file), framework="pt")
+        return self._handles[file].get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+# ---------------------------------------------------------------------------------------- model <-> checkpoint
+
+@dataclass(frozen=True)
+class ShardInfo:
+    tp_size: int = 1
+    tp_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+    ep_rank: int = 0
+    num_local_experts: int = 0
+
+    @classmethod
+    def current(cls, model) -> "ShardInfo":
+        from megatron.core import parallel_state as ps
+
+        experts = model.config.num_moe_experts or 0
+        ep = ps.get_expert_model_parallel_world_size()
+        return cls(
+            tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+            ep_rank=ps.get_expert_model_parallel_rank(), num_local_experts=experts // ep,
+        )
+
+    def of(self, ref: ParamRef) -> tuple[int, int]:
+        return (self.etp_size, self.etp_rank) if ref.kind in ("fc1", "fc2") else (self.tp_size, self.tp_rank)
+
+
+def layer_numbers(model) -> dict[int, int]:
+    """Local layer index -> global 0-based layer, for this rank's pipeline stage."""
+    return {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+
+
+def _refs(model, info: ShardInfo) -> list[tuple[str, torch.nn.Parameter, ParamRef]]:
+    layers = layer_numbers(model)
+    offset = info.ep_rank * info.num_local_experts
+    return [(n, p, parse_name(n, layers, offset)) for n, p in model.named_parameters()]
+
+
+def _partition_dim(param: torch.nn.Parameter) -> int | None:
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+
+
+@torch.no_grad()
+def load_hf(model, checkpoint: HFCheckpoint, shape: AttentionShape, info: ShardInfo | None = None) -> int:
+    """Copy a HF checkpoint into this rank's bare GPTModel; return the number of parameters loaded."""
+    info = info or ShardInfo.current(model)
+    count = 0
+    for name, param, ref in _refs(model, info):
+        full = full_from_hf(ref, checkpoint.get, shape)
+        size, rank = info.of(ref)
+        local = shard(full, ref, _partition_dim(param), size, rank)
+        if tuple(local.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: HF gives {tuple(local.shape)} for this rank, the model has {tuple(param.shape)}")
+        param.copy_(local.to(param.dtype))
+        count += 1
+    return count
+
+
+@torch.no_grad()
+def gather_hf(model, shape: AttentionShape, info: ShardInfo | None = None) -> dict[str, torch.Tensor] | None:
+    """Every rank's parameters as full HF tensors on global rank 0 (None on other ranks). Collective."""
+    from megatron.core import parallel_state as ps
+
+    info = info or ShardInfo.current(model)
+    distributed = torch.distributed.is_initialized()
+    dense_owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and info.tp_rank == 0
+    expert_owner = ps.get_expert_data_parallel_rank() == 0 and info.etp_rank == 0
+    local: dict[str, torch.Tensor] = {}
+    for _, param, ref in _refs(model, info):
+        expert = ref.kind in ("fc1", "fc2")
+        size, _ = info.of(ref)
+        pdim = _partition_dim(param)
+        data = param.detach()
+        if pdim is not None and size > 1:
+            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+            pieces = [torch.empty_like(data) for _ in range(size)]
+            torch.distributed.all_gather(pieces, data.contiguous(), group=group)
+            data = unshard(pieces, ref, pdim)
+        if expert_owner if expert else dense_owner:
+            local.update({k: v.cpu().clone() for k, v in full_to_hf(ref, data, shape).items()})
+    if not distributed or torch.distributed.get_world_size() == 1:
+        return local
+    gathered: list[dict | None] = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 \
+        else None
+    torch.distributed.gather_object(local, gathered, dst=0)
+    if torch.distributed.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+TOKENIZER_AND_CONFIG = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                        "tokenizer.model", "added_tokens.json")
+
+
+def save_hf(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, source_dir: str | os.PathLike,
+            max_shard_bytes: int = 4 << 30) -> Path:
+    """Write an HF checkpoint folder atomically: safetensors (sharded with an index above ``max_shard_bytes``) plus
+    the source checkpoint's config, generation config and tokenizer files."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name in sorted(tensors):
+            t = tensors[name].contiguous()
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, part in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(part, str(tmp / file), metadata={"format": "pt"})
+                weight_map.update({k: file for k in part})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        src = Path(source_dir)
+        for name in TOKENIZER_AND_CONFIG:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out

@@ -1,0 +1,257 @@
+"""Everything Megatron-core 0.16 needs to train on a machine without a GPU, in one place.
+
+Megatron assumes CUDA in a handful of spots: ``torch.cuda.current_device()`` as the device of new tensors (rotary,
+router, DDP buffers), the CUDA RNG tracker (attention always forks it, activation recompute saves and restores it),
+``te_general_gemm`` referenced without TransformerEngine, ``get_default_causal_mask`` allocating on ``cuda``, the
+alltoall dispatcher's CUDA streams, and an optimizer/grad-norm stack that allocates on ``cuda``. ``apply_if_needed``
+points the first three at the CPU and is a no-op when CUDA is available; the rest are settings
+(``transformer_overrides``), an explicit causal mask so Megatron never builds its own (``attention_mask``) and a plain
+torch optimizer over Megatron's ``main_grad`` buffers (``MainGradAdam``), used only while the compat layer is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+_ACTIVE = False
+
+# TransformerConfig settings that only make sense without a GPU: no fused CUDA kernels, CPU parameter init, the
+# allgather dispatcher (alltoall needs torch.cuda.Stream), no grouped GEMM (TransformerEngine/CUTLASS only).
+CPU_TRANSFORMER_OVERRIDES: dict[str, Any] = {
+    "use_cpu_initialization": True,
+    "gradient_accumulation_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "masked_softmax_fusion": False,
+    "persist_layer_norm": False,
+    "moe_grouped_gemm": False,
+    "moe_permute_fusion": False,
+    "moe_token_dispatcher_type": "allgather",
+}
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def apply_if_needed() -> bool:
+    """Patch Megatron for the CPU when there is no GPU; return whether the CPU compat layer is active.
+
+    Idempotent. With CUDA available nothing is touched, so GPU runs use Megatron exactly as shipped.
+    """
+    global _ACTIVE
+    if _ACTIVE:
+        return True
+    if cuda_available():
+        return False
+    _patch_current_device()
+    _patch_rng()
+    _patch_router_gemm()
+    _ACTIVE = True
+    return True
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _patch_current_device() -> None:
+    # Megatron uses torch.cuda.current_device() as "the device"; on this machine that is the CPU.
+    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+
+
+class CpuRNGStatesTracker:
+    """Megatron's CUDA RNG tracker with the CPU generator behind it (same add/fork/get/set contract).
+
+    Forking swaps the CPU generator's state for the named one and back, as the CUDA tracker does with the device
+    generator, so dropout streams stay separate and activation recompute replays the same random numbers.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(seed)
+        self.states_[name] = generator.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    # Activation recompute saves/restores "the CUDA RNG state" through these two module-level functions.
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def seed_rng_tracker(seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+    """CPU twin of ``model_parallel_cuda_manual_seed`` (same seed offsets, so streams match Megatron's layout)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+
+
+def _patch_router_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    # 0.16.1 references te_general_gemm unconditionally in the router's gating GEMM; None selects torch.mm.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def transformer_overrides() -> dict[str, Any]:
+    """TransformerConfig settings the CPU needs, on top of ``plan.megatron_config`` (empty when inactive)."""
+    return dict(CPU_TRANSFORMER_OVERRIDES) if _ACTIVE else {}
+
+
+def attention_mask(seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """An explicit causal mask (True = masked) for the local attention on a CPU; None lets GPU kernels build theirs.
+
+    Batches are right-padded, so causal masking alone keeps every real token blind to the padding after it.
+    """
+    if not _ACTIVE:
+        return None
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def check_supported(tensor_parallel: int, pipeline_parallel: int, context_parallel: int) -> None:
+    """Refuse layouts that Megatron cannot run on a CPU, with the reason."""
+    if not _ACTIVE:
+        return
+    problems = []
+    if tensor_parallel != 1:
+        problems.append("tensor_parallel must be 1 (MoE + TP needs sequence parallel, which torch's CPU norm refuses)")
+    if pipeline_parallel != 1:
+        problems.append("pipeline_parallel must be 1 (Megatron's pipeline schedules allocate on cuda)")
+    if context_parallel != 1:
+        problems.append("context_parallel must be 1 (context parallel attention needs TransformerEngine)")
+    if problems:
+        raise RuntimeError("Megatron on a CPU: " + "; ".join(problems))
+
+
+class MainGradAdam:
+    """AdamW over Megatron DDP's ``main_grad`` buffers, with global-norm clipping (Megatron's optimizer is CUDA-only).
+
+    Gradients live in ``param.main_grad`` (float32) after ``finalize_model_grads``. Parameters that are not float32
+    get a float32 master copy, so bf16 runs on a CPU still update in full precision.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, clip_grad: float, dense_norm_group: Any, expert_norm_group: Any):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().clone().float() if p.dtype != torch.float32 else p for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.clip_grad = clip_grad
+        self.dense_norm_group = dense_norm_group
+        self.expert_norm_group = expert_norm_group
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def grad_norm(self) -> float:
+        """Global L2 norm: dense grads are identical on every data-parallel rank after the all-reduce; expert grads
+        are sharded over expert-parallel ranks and summed over them."""
+        dense = torch.zeros((), dtype=torch.float64)
+        expert = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            sq = p.main_grad.double().pow(2).sum()
+            if getattr(p, "allreduce", True):
+                dense += sq
+            else:
+                expert += sq
+        if torch.distributed.is_initialized():
+            if self.expert_norm_group is not None:
+                torch.distributed.all_reduce(expert, group=self.expert_norm_group)
+            if self.dense_norm_group is not None:
+                torch.distributed.all_reduce(dense, group=self.dense_norm_group)
+        return math.sqrt(float(dense + expert))
+
+    def step(self) -> tuple[bool, float]:
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return False, norm
+        scale = 1.0
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            scale = self.clip_grad / (norm + 1e-6)
+        for p, master in zip(self.params, self.masters):
+            grad = p.main_grad.float()
+            master.grad = grad * scale if scale != 1.0 else grad
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                if master is not p:
+                    p.copy_(master)
+                master.grad = None
+        return True, norm
+
+    def zero_grad(self) -> None:
+        for master in self.masters:
+            master.grad = None
+
+    def state_dict(self) -> dict:
+        return {"adam": self.optimizer.state_dict(),
+                "masters": [m.detach().clone() for m, p in zip(self.masters, self.params) if m is not p]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["adam"])
+        separate = [m for m, p in zip(self.masters, self.params) if m is not p]
+        with torch.no_grad():
+            for master, saved in zip(separate, state["masters"]):
+                master.copy_(saved)

@@ -1,0 +1,94 @@
+"""GRPO: group-normalised advantages and the clipped policy loss (token-level mean over the loss mask).
+
+The loss functions return token *sums*; the trainer divides by the number of loss tokens of the whole global batch
+(all micro batches, all data-parallel ranks), which makes the objective a token-level mean (DAPO-style) however the
+batch is split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def group_advantages(rewards: Sequence[float] | np.ndarray, groups: Sequence[int] | np.ndarray,
+                     normalize_std: bool, eps: float = 1e-6) -> np.ndarray:
+    """Per-sample advantage: reward minus its group's mean, divided by the group's std when ``normalize_std``.
+
+    A group whose rewards are all equal gets zero advantages (no signal, and no division by ~0).
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    g = np.asarray(groups)
+    if r.shape != g.shape or r.ndim != 1:
+        raise ValueError(f"rewards {r.shape} and groups {g.shape} must be 1-D and of equal length")
+    if not np.isfinite(r).all():
+        raise ValueError(f"non-finite rewards at samples {np.flatnonzero(~np.isfinite(r)).tolist()}")
+    out = np.zeros_like(r)
+    for group in np.unique(g):
+        members = g == group
+        centred = r[members] - r[members].mean()
+        if normalize_std:
+            std = r[members].std(ddof=1) if members.sum() > 1 else 0.0
+            centred = centred / (std + eps) if std > eps else np.zeros_like(centred)
+        out[members] = centred
+    return out.astype(np.float32)
+
+
+def per_token_advantages(advantages: Sequence[np.ndarray | float] | np.ndarray,
+                         response_lengths: Sequence[int]) -> list[np.ndarray]:
+    """Scalar per sample (GRPO) or an array per response token -> one ``float32[R]`` per sample."""
+    if len(advantages) != len(response_lengths):
+        raise ValueError(f"{len(advantages)} advantages for {len(response_lengths)} samples")
+    out = []
+    for i, (a, n) in enumerate(zip(advantages, response_lengths)):
+        a = np.asarray(a, dtype=np.float32)
+        if a.ndim == 0:
+            a = np.full(n, float(a), dtype=np.float32)
+        if a.shape != (n,):
+            raise ValueError(f"sample {i}: advantages of shape {a.shape} for {n} response tokens")
+        out.append(a)
+    return out
+
+
+@dataclass
+class LossTerms:
+    """Token sums over one micro batch (loss tokens only)."""
+
+    loss: torch.Tensor  # differentiable: sum of per-token losses
+    pg: torch.Tensor
+    kl: torch.Tensor
+    clipped: torch.Tensor
+    ratio: torch.Tensor
+    tokens: torch.Tensor
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                *, clip_low: float, clip_high: float, ref_logprobs: torch.Tensor | None = None,
+                kl_coef: float = 0.0) -> LossTerms:
+    """PPO-clip surrogate with asymmetric clipping (``1-clip_low``, ``1+clip_high``) plus an optional k3 KL to a
+    reference policy, summed over tokens where ``mask`` is set."""
+    mask = mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None and kl_coef > 0:
+        # k3 estimator of KL(pi || ref): unbiased, non-negative, low variance
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1.0
+        per_token = per_token + kl_coef * kl
+    with torch.no_grad():
+        was_clipped = (clipped > unclipped).to(mask.dtype)
+    return LossTerms(
+        loss=(per_token * mask).sum(),
+        pg=(torch.maximum(unclipped, clipped) * mask).sum().detach(),
+        kl=(kl * mask).sum().detach(),
+        clipped=(was_clipped * mask).sum(),
+        ratio=(ratio.detach() * mask).sum(),
+        tokens=mask.sum(),
+    )

@@ -1,0 +1,140 @@
+"""The Megatron-core GPTModel of a Qwen3-MoE, built from ``plan.megatron_config`` (the single source of its settings).
+
+Qwen3-MoE in Megatron terms: RMSNorm, q/k RMSNorm per head, SwiGLU experts, a softmax router over the top-k logits
+(``norm_topk_prob=True`` = post-softmax), rotary base 1e6, untied embeddings. The CPU compat layer only adds the
+settings a CPU needs; GPU runs get Megatron as configured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from r3rl.config.schema import R3RLConfig
+from r3rl.plan import megatron_config, resolve_dtype
+from r3rl.train import cpu_compat
+
+# Keys of plan.megatron_config that belong to GPTModel / DDP rather than TransformerConfig.
+MODEL_KEYS = ("vocab_size", "max_sequence_length", "untie_embeddings_and_output_weights", "rotary_base")
+DDP_KEYS = ("use_distributed_optimizer",)
+
+ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    transformer: dict[str, Any]
+    vocab_size: int
+    max_sequence_length: int
+    untie_embeddings: bool
+    rotary_base: float
+    use_distributed_optimizer: bool
+    dtype: torch.dtype
+
+
+def model_settings(cfg: R3RLConfig, *, replay: bool | None = None) -> ModelSettings:
+    """TransformerConfig kwargs + model arguments for this config; ``replay`` overrides routing replay (False for a
+    reference model, which must never replay rollout routes: pitfall P12)."""
+    dtype_name = resolve_dtype(cfg.trainer.params_dtype, cfg.parallelism.device)
+    raw = megatron_config(cfg, dtype_name)
+    raw.update(cpu_compat.transformer_overrides())
+    if replay is not None:
+        raw["moe_enable_routing_replay"] = replay
+    if raw.get("moe_enable_routing_replay") and raw.get("moe_router_fusion"):
+        raise ValueError("routing replay with moe_router_fusion=True: Megatron's fused router returns before the "
+                         "replayed top-k is applied (pitfall P7); set trainer.moe_router_fusion=false")
+    model = {k: raw.pop(k) for k in MODEL_KEYS}
+    ddp = {k: raw.pop(k) for k in DDP_KEYS}
+    dtype = TORCH_DTYPES[raw.pop("params_dtype")]
+    if isinstance(raw.get("activation_func"), str):
+        raw["activation_func"] = ACTIVATIONS[raw["activation_func"]]
+    raw.update(
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        # Loss is a token sum; finalize_model_grads divides by the global count of loss tokens (GRPO token mean).
+        calculate_per_token_loss=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if raw.get("moe_enable_routing_replay") and raw.get("moe_expert_capacity_factor") is not None:
+        raise ValueError("routing replay with moe_expert_capacity_factor set: token dropping runs after the replayed "
+                         "top-k and would drop replayed routes")
+    return ModelSettings(
+        transformer=raw,
+        vocab_size=model["vocab_size"],
+        max_sequence_length=model["max_sequence_length"],
+        untie_embeddings=model["untie_embeddings_and_output_weights"],
+        rotary_base=model["rotary_base"],
+        use_distributed_optimizer=ddp["use_distributed_optimizer"] and not cpu_compat.is_active(),
+        dtype=dtype,
+    )
+
+
+def transformer_config(settings: ModelSettings):
+    from megatron.core.transformer import TransformerConfig
+
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(settings.transformer) - known)
+    if unknown:
+        raise ValueError(f"not TransformerConfig fields (trainer.transformer_overrides?): {unknown}")
+    return TransformerConfig(**settings.transformer)
+
+
+def layer_spec(config):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if gpt_layer_specs.HAVE_TE and not cpu_compat.is_active():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True,
+        normalization="RMSNorm")
+
+
+def build_gpt(settings: ModelSettings, device: torch.device):
+    """The bare GPTModel on ``device`` (this rank's pipeline stage, tensor and expert shards)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(settings)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=settings.vocab_size,
+        max_sequence_length=settings.max_sequence_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not settings.untie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=settings.rotary_base,
+    )
+    return model.to(device)
+
+
+def wrap_ddp(model, settings: ModelSettings):
+    """Megatron DDP: gradients accumulate into float32 ``main_grad`` buffers and are reduced over data parallel."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def routers(model) -> list:
+    """This model's MoE routers in layer order, each with its 1-based global ``layer_number``.
+
+    Walking the model (not Megatron's global registry of RouterReplay instances) keeps replay state scoped to one
+    model: a second model in the process (a reference model, a test's twin) never receives this one's routes.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    found = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    return sorted(found, key=lambda r: r.layer_number)

@@ -1,0 +1,189 @@
+"""Routing replay through Megatron's own ``RouterReplay`` (``moe_enable_routing_replay=True``).
+
+Per micro batch: ``arm`` hands each local router its layer's targets (``set_target_indices`` also queues them for
+backward) and sets REPLAY_FORWARD; after the forward, ``after_forward`` switches to REPLAY_BACKWARD so activation
+recompute in backward pops the same targets (FIFO), or clears the action for a forward-only pass. ``clear`` empties
+targets, records and the backward queue, and runs before and after every forward/backward (pitfall P11).
+
+State is reached through this model's routers, never Megatron's global instance list, so a reference model or a
+second model in the process is never armed (pitfall P12).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from r3rl.train.routes import PackedRoutes
+
+
+def check_megatron_api() -> None:
+    """Fail early if the installed Megatron's replay API is not the one this module drives (pitfall P16)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    expected = {"RECORD", "REPLAY_FORWARD", "REPLAY_BACKWARD"}
+    missing = expected - set(RouterReplayAction.__members__)
+    params = list(inspect.signature(RouterReplay.get_replay_topk).parameters)
+    needed = ["self", "scores", "topk", "num_groups", "group_topk", "default_compute_topk"]
+    methods = ("set_target_indices", "set_router_replay_action", "clear_router_replay_action", "clear_indices")
+    probe = RouterReplay()
+    try:
+        has_queue = isinstance(getattr(probe, "replay_backward_list", None), list)
+    finally:
+        # RouterReplay() registers itself globally; drop the probe instance again
+        RouterReplay.global_router_replay_instances[:] = [
+            i for i in RouterReplay.global_router_replay_instances if i is not probe]
+    if missing or params != needed or not all(hasattr(RouterReplay, m) for m in methods) or not has_queue:
+        raise RuntimeError(f"megatron.core RouterReplay API changed (actions missing {sorted(missing)}, "
+                           f"get_replay_topk{tuple(params)}); r3rl's replay driver supports megatron-core 0.16")
+
+
+class ReplayDriver:
+    """Arms and clears the ``RouterReplay`` of one model's MoE routers."""
+
+    def __init__(self, routers: list):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._actions = RouterReplayAction
+        self.routers = routers
+        missing = [r.layer_number for r in routers if r.router_replay is None]
+        if missing:
+            raise RuntimeError(f"MoE layers {missing} have no RouterReplay: build the model with "
+                               "moe_enable_routing_replay=True")
+
+    @property
+    def layers(self) -> list[int]:
+        """Global 0-based layer of each local router."""
+        return [r.layer_number - 1 for r in self.routers]
+
+    def arm(self, routes: PackedRoutes, device: torch.device) -> None:
+        for router in self.routers:
+            target = routes.layer_targets(router.layer_number - 1, device)
+            router.router_replay.set_target_indices(target)
+            router.router_replay.set_router_replay_action(self._actions.REPLAY_FORWARD)
+
+    def after_forward(self, *, backward_follows: bool) -> None:
+        for router in self.routers:
+            if backward_follows:
+                router.router_replay.set_router_replay_action(self._actions.REPLAY_BACKWARD)
+            else:
+                # nothing will pop the queued targets of a forward-only pass: drop them now (P11)
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+
+    def record(self) -> None:
+        """Let the routers route themselves and keep their top-k (Megatron's RECORD action)."""
+        for router in self.routers:
+            router.router_replay.set_router_replay_action(self._actions.RECORD)
+
+    def recorded(self) -> dict[int, torch.Tensor]:
+        """Global 0-based layer -> the ``[rows, K]`` top-k each local router recorded in the last forward."""
+        return {r.layer_number - 1: r.router_replay.get_recorded_indices() for r in self.routers}
+
+    def pending(self) -> int:
+        """Targets queued for backward replay and not yet consumed, over all local layers."""
+        return sum(len(r.router_replay.replay_backward_list) for r in self.routers)
+
+    def clear(self) -> None:
+        for router in self.routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator["ReplayDriver"]:
+        self.clear()
+        try:
+            yield self
+        finally:
+            self.clear()
+
+
+def forget_instances(routers: list) -> None:
+    """Remove these routers' instances from Megatron's global list (it only grows otherwise)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    mine = {id(r.router_replay) for r in routers if r.router_replay is not None}
+    RouterReplay.global_router_replay_instances[:] = [
+        i for i in RouterReplay.global_router_replay_instances if id(i) not in mine]
+
+
+@dataclass
+class ProbeCounts:
+    """Per global layer: rows with a rollout route, of those how many top-k sets the router itself would pick
+    differently (flips), and rows whose routing map differs from the replay target (must stay 0 under replay)."""
+
+    routed_rows: np.ndarray
+    flips: np.ndarray
+    replay_rows: np.ndarray
+    replay_mismatches: np.ndarray
+
+    @classmethod
+    def zeros(cls, num_layers: int) -> "ProbeCounts":
+        return cls(*(np.zeros(num_layers, dtype=np.int64) for _ in range(4)))
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.routed_rows, self.flips, self.replay_rows, self.replay_mismatches]))
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "ProbeCounts":
+        a = t.cpu().numpy()
+        return cls(a[0].copy(), a[1].copy(), a[2].copy(), a[3].copy())
+
+
+def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
+
+
+class RouteProbe:
+    """Forward hooks on the routers of a no-grad pass that compare, row by row:
+
+    - the router's own top-k (from its live logits, what it would choose unreplayed) with the rollout routes, on
+      rows that have a rollout route: the routing flip rate;
+    - the routing map Megatron actually produced with the replay target, on every row: proof the routes given are
+      the routes used.
+    """
+
+    def __init__(self, routers: list, num_layers: int):
+        self.routers = routers
+        self.counts = ProbeCounts.zeros(num_layers)
+        self._routes: PackedRoutes | None = None
+        self._replaying = False
+        self._handles = []
+
+    def expect(self, routes: PackedRoutes | None, *, replaying: bool) -> None:
+        self._routes = routes
+        self._replaying = replaying
+
+    def _hook(self, router, args, output) -> None:
+        if self._routes is None:
+            return
+        layer = router.layer_number - 1
+        hidden = args[0]
+        with torch.no_grad():
+            logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
+            own = torch.topk(logits, router.topk, dim=-1).indices
+            target = self._routes.layer_targets(layer, logits.device)
+            has = torch.from_numpy(self._routes.has_route).to(logits.device)
+            agree = _same_sets(own, target)
+            self.counts.routed_rows[layer] += int(has.sum())
+            self.counts.flips[layer] += int((~agree & has).sum())
+            if self._replaying:
+                routing_map = output[1].view(-1, router.config.num_moe_experts)
+                expected = torch.zeros_like(routing_map).scatter(1, target, True)
+                self.counts.replay_rows[layer] += routing_map.shape[0]
+                self.counts.replay_mismatches[layer] += int((routing_map != expected).any(dim=-1).sum())
+
+    def __enter__(self) -> "RouteProbe":
+        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._routes = None

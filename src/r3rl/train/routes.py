@@ -1,0 +1,110 @@
+"""Rollout routes -> the rows each local MoE layer's router sees, packed exactly like the tokens.
+
+Routes arrive per sample as ``uint8[T-1, L, K]`` (uint16 above 256 experts) and stay narrow here: a micro batch is
+packed into one ``[S_local * B, L, K]`` array of the same dtype, and only ``layer_targets`` widens one layer's
+column to int64 at the moment it is handed to that layer's router.
+
+Row order follows Megatron: the router flattens its ``[s, b, h]`` input, so row = ``s * B + b``. Every row without
+a rollout route (right padding, context-parallel and sequence-parallel alignment padding, and a sample's last token
+if a caller feeds it) holds K distinct valid ids: duplicate ids (e.g. zeros) make the dispatcher lose tokens under
+expert parallel (pitfall P2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from r3rl.train.layout import TokenLayout
+
+
+class RouteError(ValueError):
+    """A sample's routes cannot be replayed; the message names the sample (and layer where one is at fault)."""
+
+
+def check_routes(routes: np.ndarray | None, *, sample: int, num_tokens: int, num_layers: int, topk: int,
+                 num_experts: int) -> np.ndarray:
+    """Validate one sample's routes and return the ``T-1`` rows to replay (a surplus final row is dropped)."""
+    if routes is None:
+        raise RouteError(f"sample {sample}: no routed experts to replay (was the engine started with "
+                         f"--enable-return-routed-experts?)")
+    if not isinstance(routes, np.ndarray) or routes.dtype.kind not in "ui":
+        raise RouteError(f"sample {sample}: routed experts must be an integer numpy array, got "
+                         f"{type(routes).__name__} {getattr(routes, 'dtype', '')}")
+    if routes.ndim != 3:
+        raise RouteError(f"sample {sample}: routed experts must be [tokens-1, layers, top-k], got shape "
+                         f"{routes.shape}")
+    rows, layers, k = routes.shape
+    if layers != num_layers:
+        raise RouteError(f"sample {sample}: routed experts cover {layers} layers, the model has {num_layers} "
+                         f"(layer axis of shape {routes.shape})")
+    if k != topk:
+        raise RouteError(f"sample {sample}: routed experts hold {k} experts per token and layer, the model routes "
+                         f"to top-{topk} in every layer (shape {routes.shape})")
+    if rows == num_tokens:
+        routes = routes[:-1]  # some engines return the never-forwarded last token's row too
+    elif rows != num_tokens - 1:
+        raise RouteError(f"sample {sample}: routed experts have {rows} rows for {num_tokens} tokens; expected "
+                         f"{num_tokens - 1} (every token but the last), in every layer")
+    if routes.size:
+        if routes.dtype.kind == "i" and routes.min() < 0:
+            row, layer, _ = np.argwhere(routes < 0)[0]
+            raise RouteError(f"sample {sample}, layer {layer}: negative expert id {routes[row, layer].tolist()} at "
+                             f"token {row}")
+        high = routes.max(axis=(0, 2))
+        bad = np.flatnonzero(high >= num_experts)
+        if bad.size:
+            layer = int(bad[0])
+            row = int(np.flatnonzero((routes[:, layer] >= num_experts).any(axis=-1))[0])
+            raise RouteError(f"sample {sample}, layer {layer}: expert id {routes[row, layer].tolist()} at token "
+                             f"{row} is out of range for {num_experts} experts")
+        ordered = np.sort(routes, axis=-1)
+        dup = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1)
+        if dup.any():
+            row, layer = (int(v) for v in np.argwhere(dup)[0])
+            raise RouteError(f"sample {sample}, layer {layer}: token {row} is routed to the same expert twice "
+                             f"{routes[row, layer].tolist()}; a replayed row needs {topk} distinct experts")
+    return routes
+
+
+def filler(rows: int, num_layers: int, topk: int, num_experts: int, dtype: np.dtype) -> np.ndarray:
+    """``[rows, L, K]`` of valid ids, distinct within every (row, layer): K consecutive integers modulo E."""
+    return (np.arange(rows * num_layers * topk, dtype=np.int64) % num_experts).astype(dtype).reshape(
+        rows, num_layers, topk)
+
+
+@dataclass
+class PackedRoutes:
+    """One micro batch's routes in router row order, still narrow."""
+
+    rows: np.ndarray  # [S_local * B, L, K] uint8/uint16
+    has_route: np.ndarray  # [S_local * B] bool: True where the row is a rollout route (not filler)
+
+    def layer_targets(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Layer ``layer``'s replay target ``[S_local * B, K]``, widened to int64 on ``device`` (the only widening)."""
+        column = torch.from_numpy(np.ascontiguousarray(self.rows[:, layer]))
+        return column.to(device, non_blocking=True).to(torch.int64)
+
+
+def pack_routes(routes: list[np.ndarray], seq_len: int, layout: TokenLayout, *, num_layers: int, topk: int,
+                num_experts: int) -> PackedRoutes:
+    """Per-sample validated ``[T_b-1, L, K]`` routes -> this rank's router rows for a ``[B, seq_len]`` token batch.
+
+    The routes go through the same ``TokenLayout`` transform as the tokens (context-parallel chunks, then the
+    sequence-parallel shard of the router input), so row ``s * B + b`` here is the token the router sees there.
+    """
+    dtype = np.result_type(*[r.dtype for r in routes]) if routes else np.dtype(np.uint8)
+    batch = len(routes)
+    full = np.empty((batch, seq_len, num_layers, topk), dtype=dtype)
+    has = np.zeros((batch, seq_len), dtype=bool)
+    full[:] = filler(seq_len, num_layers, topk, num_experts, dtype)[None]
+    for b, r in enumerate(routes):
+        if len(r) > seq_len:
+            raise RouteError(f"sample in micro-batch slot {b}: {len(r)} route rows exceed the packed length {seq_len}")
+        full[b, : len(r)] = r
+        has[b, : len(r)] = True
+    local = layout.router_rows(full)
+    local_has = layout.router_rows(has)
+    return PackedRoutes(rows=np.ascontiguousarray(local), has_route=np.ascontiguousarray(local_has))

@@ -1,0 +1,505 @@
+"""``MegatronTrainer``: one instance per trainer rank (Ray actor, torchrun process, or a plain process).
+
+Every rank is called with the same full list of samples and takes its data-parallel share itself; results
+(log-probs, metrics) come back complete on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from r3rl.config.schema import R3RLConfig
+from r3rl.sample import Sample
+from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, grpo, optim
+from r3rl.train import model as model_lib
+from r3rl.train.batch import MicroBatch, RouteShape, build_micro_batch, plan_micro_batches
+from r3rl.train.layout import TokenLayout
+from r3rl.train.replay import ProbeCounts, ReplayDriver, RouteProbe, check_megatron_api, forget_instances
+from r3rl.train.routes import check_routes
+
+
+@dataclass
+class LogprobResult:
+    logprobs: list[np.ndarray]  # float32 [R] per sample: log-prob of each response token
+    flip_per_layer: np.ndarray  # float [L]: share of routed (token, layer) top-k sets the router would pick otherwise
+    replayed_routes_match: bool | None  # replay: every routing map equalled its replay target; None without replay
+    replay_mismatch_rows: int  # rows whose routing map differed from the target (0 when the routes were used)
+
+    @property
+    def flip_rate(self) -> float:
+        return float(np.nanmean(self.flip_per_layer)) if np.isfinite(self.flip_per_layer).any() else float("nan")
+
+
+class MegatronTrainer:
+    def __init__(self, cfg: R3RLConfig):
+        self.cfg = cfg
+        self._closed = True
+        self.routers: list = []
+        self.replay = None
+        par = cfg.parallelism.trainer
+        self.info = distributed.init(
+            distributed.Layout(par.tensor_parallel, par.pipeline_parallel, par.expert_parallel,
+                               par.context_parallel), seed=cfg.run.seed)
+        self._closed = False
+        try:
+            self._build()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.device = self.info.device
+        self.settings = model_lib.model_settings(cfg)
+        self.replay_enabled = bool(self.settings.transformer.get("moe_enable_routing_replay"))
+        if self.replay_enabled:
+            check_megatron_api()
+        self.attention = convert.AttentionShape.of(cfg.model)
+        self.route_shape = RouteShape(cfg.model.num_layers, cfg.model.moe_topk, cfg.model.num_experts)
+        self.source = self._ensure_checkpoint()
+
+        self.bare = model_lib.build_gpt(self.settings, self.device)
+        convert.load_hf(self.bare, convert.HFCheckpoint(self.source), self.attention)
+        self.model = model_lib.wrap_ddp(self.bare, self.settings)
+        self.routers = model_lib.routers(self.bare)
+        self.replay = ReplayDriver(self.routers) if self.replay_enabled else None
+        self.optimizer = optim.build_optimizer(cfg, self.model, self.settings.dtype,
+                                               self.settings.use_distributed_optimizer)
+        self.total_steps = optim.total_optimizer_steps(cfg)
+        self.optimizer_step = 0
+
+        self.ref_model = None
+        if cfg.algorithm.use_kl_loss:
+            ref_settings = model_lib.model_settings(cfg, replay=False)  # never replays (pitfall P12)
+            self.ref_model = model_lib.build_gpt(ref_settings, self.device)
+            convert.load_hf(self.ref_model, convert.HFCheckpoint(self.source), self.attention)
+            self.ref_model.eval()
+            self.ref_model.requires_grad_(False)
+
+        from megatron.core import parallel_state as ps
+
+        self._ps = ps
+        tp = ps.get_tensor_model_parallel_world_size()
+        sp = self.settings.transformer.get("sequence_parallel", False)
+        self.layout = TokenLayout(cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                                  sp_size=tp if sp else 1, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0)
+        self.pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+        # expert-parallel ranks exchange tokens in every MoE layer and pipeline stages pass fixed-size activations:
+        # then all micro batches of a call share one padded length
+        self.uniform_length = ps.get_expert_model_parallel_world_size() > 1 or self.pipelined
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def _ensure_checkpoint(self) -> Path:
+        """The HF checkpoint folder; rank 0 generates it first when the model config allows (the tiny model)."""
+        from r3rl.models.tiny_moe import ensure_checkpoint
+
+        if self.info.rank == 0:
+            ensure_checkpoint(self.cfg.model)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return ensure_checkpoint(self.cfg.model)
+
+    # ------------------------------------------------------------------------------------------------ batches
+
+    def _validated_routes(self, samples: Sequence[Sample], required: bool) -> list[np.ndarray] | None:
+        if not required and any(s.routed_experts is None for s in samples):
+            return None
+        m = self.cfg.model
+        return [check_routes(s.routed_experts, sample=i, num_tokens=s.num_tokens, num_layers=m.num_layers,
+                             topk=m.moe_topk, num_experts=m.num_experts) for i, s in enumerate(samples)]
+
+    def _micro_batches(self, samples: Sequence[Sample], indices: Sequence[int], micro_batch_size: int, *,
+                       routes: list[np.ndarray] | None, per_token: dict[str, list[np.ndarray]] | None = None
+                       ) -> list[tuple[MicroBatch, list[bool]]]:
+        """This rank's micro batches over ``indices`` with, per slot, whether it is a real sample (padding slots
+        repeat a real one with a zero loss mask so every expert-parallel rank runs the same forwards)."""
+        seq_len = max(samples[i].num_tokens - 1 for i in indices) if self.uniform_length else None
+        plan = plan_micro_batches(indices, self.info.dp_rank, self.info.dp_size, micro_batch_size)
+        out = []
+        for slots in plan:
+            valid = [i is not None for i in slots]
+            real = [i if i is not None else indices[0] for i in slots]
+            tokens_inputs = None
+            if per_token is not None:
+                tokens_inputs = {k: [v[i] if ok else np.zeros_like(v[i]) for i, ok in zip(real, valid)]
+                                 for k, v in per_token.items()}
+            mb = build_micro_batch(samples, real, self.layout, self.device, per_token=tokens_inputs,
+                                   routes=[routes[i] for i in real] if routes is not None else None,
+                                   route_shape=self.route_shape, seq_len=seq_len)
+            out.append((mb, valid))
+        return out
+
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def _forward(self, model, mb: MicroBatch, *, replay: bool, backward_follows: bool) -> torch.Tensor:
+        """Token log-probs ``[B, S_local]`` of ``mb.labels`` (last pipeline stage) or the stage's activations."""
+        from megatron.core import tensor_parallel
+
+        mask = cpu_compat.attention_mask(mb.tokens.shape[1], self.device)
+        if replay:
+            self.replay.arm(mb.routes, self.device)
+        try:
+            output = model(mb.tokens, mb.position_ids, mask)
+        finally:
+            if replay:
+                self.replay.after_forward(backward_follows=backward_follows)
+        if not self._ps.is_pipeline_last_stage():
+            return output
+        return -tensor_parallel.vocab_parallel_cross_entropy(output.float(), mb.labels)
+
+    def _forward_only(self, model, samples: Sequence[Sample], *, replay: bool, probe_routes: list | None,
+                      driver_routers: list | None = None) -> tuple[dict[int, np.ndarray], ProbeCounts | None]:
+        """No-grad pass over all samples; returns this rank's response log-probs by sample index and probe counts."""
+        indices = list(range(len(samples)))
+        routes = probe_routes
+        mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes)
+        results: dict[int, np.ndarray] = {}
+        probe = RouteProbe(driver_routers, self.cfg.model.num_layers) if (driver_routers and routes is not None) \
+            else None
+        if replay and model is not self.model:
+            raise RuntimeError("routes are replayed into the policy model only, never a reference model (P12)")
+        model.eval()
+        session = self.replay.session() if (self.replay is not None and model is self.model) \
+            else contextlib.nullcontext()
+        with torch.no_grad(), session, (probe or contextlib.nullcontext()):
+            if self.pipelined:
+                token_lps = self._pipelined(model, [mb for mb, _ in mbs], replay=replay, forward_only=True,
+                                            probe=probe)
+            else:
+                token_lps = []
+                for mb, _ in mbs:
+                    if probe is not None:
+                        probe.expect(mb.routes, replaying=replay)
+                    token_lps.append(self._forward(model, mb, replay=replay, backward_follows=False))
+            if self._ps.is_pipeline_last_stage():
+                for (mb, valid), lp in zip(mbs, token_lps):
+                    full = self.layout.gather_tokens(lp, group=self._ps.get_context_parallel_group())
+                    for b, (index, ok) in enumerate(zip(mb.indices, valid)):
+                        if ok:
+                            start, end = mb.spans[b]
+                            results[index] = full[b, start:end].float().cpu().numpy()
+        return results, (probe.counts if probe is not None else None)
+
+    def _pipelined(self, model, mbs: list[MicroBatch], *, replay: bool, forward_only: bool, probe=None,
+                   loss=None) -> list:
+        """Megatron's pipeline schedule over ``mbs`` (pipeline parallel > 1; GPU only). Forward-only returns the last
+        stage's token log-probs per micro batch; training returns the loss terms per micro batch."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        queue = iter(mbs)
+        collected: list = []
+
+        def step(data_iterator, chunk):
+            mb = next(data_iterator)
+            if probe is not None:
+                probe.expect(mb.routes, replaying=replay)
+            out = self._forward(chunk, mb, replay=replay, backward_follows=not forward_only)
+
+            def loss_func(token_lp):
+                if forward_only:
+                    collected.append(token_lp.detach())
+                    return token_lp.sum() * 0.0, {}
+                terms = loss(token_lp, mb)
+                collected.append(terms)
+                return terms.loss, terms.tokens.to(torch.int), {}
+
+            return out, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=queue, model=[model], num_microbatches=len(mbs),
+            seq_length=mbs[0].seq_len, micro_batch_size=mbs[0].tokens.shape[0], forward_only=forward_only)
+        return collected
+
+    # ------------------------------------------------------------------------------------------------ collectives
+
+    def _row_groups(self) -> list:
+        """Groups over which the rows of a batch are split (data and context parallel, and TP under SP)."""
+        ps = self._ps
+        groups = [ps.get_data_parallel_group(with_context_parallel=True)]
+        if self.layout.sp_size > 1:
+            groups.append(ps.get_tensor_model_parallel_group())
+        return groups
+
+    def _reduce_counts(self, counts: ProbeCounts) -> ProbeCounts:
+        t = counts.as_tensor().to(self.device)
+        layer_groups = [self._ps.get_pipeline_model_parallel_group()] if self.pipelined else []
+        return ProbeCounts.from_tensor(collect.sum_over(t, self._row_groups() + layer_groups))
+
+    def _reduce_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Loss-token statistics: summed over data/context parallel on the last stage, shared with every stage."""
+        t = values.to(self.device, torch.float64)
+        t = collect.sum_over(t, [self._ps.get_data_parallel_group(with_context_parallel=True)])
+        return collect.share_from_last_stage(t, self.pipelined).cpu()
+
+    # ------------------------------------------------------------------------------------------------ public API
+
+    def logprobs(self, samples: Sequence[Sample], *, replay: bool) -> LogprobResult:
+        """Response log-probs of every sample (no grad), replaying the rollout routes or with live routing.
+
+        Also measures, per layer, how often the trainer's own router picks a different top-k set than the rollout
+        (over rows with rollout routes), and under replay whether the routing maps equalled the routes given.
+        """
+        if replay and self.replay is None:
+            raise RuntimeError("logprobs(replay=True) needs a model built with routing replay (rollout.routing_replay)")
+        if not samples:
+            return LogprobResult([], np.full(self.cfg.model.num_layers, np.nan), None, 0)
+        routes = self._validated_routes(samples, required=replay)
+        local, counts = self._forward_only(self.model, samples, replay=replay, probe_routes=routes,
+                                           driver_routers=self.routers)
+        logprobs = collect.merge_by_index(local, len(samples), "log-probs")
+        num_layers = self.cfg.model.num_layers
+        if counts is None:
+            return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0)
+        counts = self._reduce_counts(counts)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            flips = np.where(counts.routed_rows > 0, counts.flips / np.maximum(counts.routed_rows, 1), np.nan)
+        mismatches = int(counts.replay_mismatches.sum())
+        matched = (mismatches == 0 and bool((counts.replay_rows > 0).all())) if replay else None
+        return LogprobResult(logprobs, flips.astype(np.float64), matched, mismatches)
+
+    def record_routes(self, samples: Sequence[Sample]) -> list[np.ndarray]:
+        """The trainer's own routing (Megatron's RECORD), shaped like the engine's: ``[T-1, L, K]`` per sample in the
+        narrow route dtype. Replaying these reproduces the unreplayed forward."""
+        if self.replay is None:
+            raise RuntimeError("record_routes needs a model built with routing replay (rollout.routing_replay)")
+        from r3rl.sample import routes_dtype
+
+        m = self.cfg.model
+        mbs = self._micro_batches(samples, list(range(len(samples))), self.cfg.trainer.micro_batch_size, routes=None)
+        local: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self.model.eval()
+        with torch.no_grad(), self.replay.session():
+            for mb, valid in mbs:
+                batch, seq_len = len(mb.indices), mb.seq_len
+                # which (sample slot, position) each of this rank's router rows is, via the tokens' own layout
+                slot = self.layout.router_rows(np.repeat(np.arange(batch)[:, None], seq_len, axis=1))
+                pos = self.layout.router_rows(np.repeat(np.arange(seq_len)[None, :], batch, axis=0))
+                self.replay.record()
+                self._forward(self.model, mb, replay=False, backward_follows=False)
+                for layer, idx in self.replay.recorded().items():
+                    idx = idx.cpu().numpy()
+                    for b, (index, ok) in enumerate(zip(mb.indices, valid)):
+                        length = samples[index].num_tokens - 1
+                        mine = (slot == b) & (pos < length)
+                        if not ok or not mine.any():
+                            continue
+                        held = np.zeros(length, dtype=bool)
+                        rows = np.zeros((length, m.moe_topk), dtype=np.int64)
+                        held[pos[mine]] = True
+                        rows[pos[mine]] = idx[mine]
+                        local.setdefault(index, {})[layer] = (held, rows)
+                self.replay.clear()
+        return collect.merge_routes(local, [s.num_tokens - 1 for s in samples], m.num_layers, m.moe_topk,
+                                    routes_dtype(m.num_experts))
+
+    def reference_logprobs(self, samples: Sequence[Sample]) -> list[np.ndarray]:
+        """Response log-probs under the frozen reference model (live routing, never replayed)."""
+        if self.ref_model is None:
+            raise RuntimeError("no reference model: set algorithm.use_kl_loss=true")
+        local, _ = self._forward_only(self.ref_model, samples, replay=False, probe_routes=None)
+        return collect.merge_by_index(local, len(samples), "reference log-probs")
+
+    def _accumulate(self, samples: Sequence[Sample], indices: list[int], per_token: dict[str, list[np.ndarray]],
+                    routes: list[np.ndarray] | None, replay: bool) -> tuple[torch.Tensor, int]:
+        """Forward/backward over one global batch into the DDP grad buffers, then reduce and normalise them by the
+        global loss-token count. Returns the summed loss terms and the backward-replay entries left unconsumed."""
+        from megatron.core.distributed import finalize_model_grads
+
+        alg = self.cfg.algorithm
+        mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes,
+                                  per_token=per_token)
+
+        def loss(token_lp: torch.Tensor, mb: MicroBatch) -> grpo.LossTerms:
+            p = mb.per_token
+            return grpo.policy_loss(token_lp, p["old_logprobs"], p["advantages"], p["loss_mask"],
+                                    clip_low=alg.clip_eps_low, clip_high=alg.clip_eps_high,
+                                    ref_logprobs=p.get("ref_logprobs"),
+                                    kl_coef=alg.kl_coef if alg.use_kl_loss else 0.0)
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        unconsumed = 0
+        session = self.replay.session() if self.replay is not None else contextlib.nullcontext()
+        with session:
+            if self.pipelined:
+                self.model.config.finalize_model_grads_func = finalize_model_grads
+                self.model.config.no_sync_func = self.model.no_sync
+                terms_list = self._pipelined(self.model, [mb for mb, _ in mbs], replay=replay, forward_only=False,
+                                             loss=loss)
+                num_tokens = None
+            else:
+                terms_list = []
+                for mb, _ in mbs:
+                    token_lp = self._forward(self.model, mb, replay=replay, backward_follows=True)
+                    terms = loss(token_lp, mb)
+                    terms.loss.backward()
+                    if replay:
+                        # with activation recompute, backward replays (pops) exactly what forward queued
+                        unconsumed += self.replay.pending() if self.settings.transformer.get(
+                            "recompute_granularity") == "full" else 0
+                        self.replay.clear()
+                    terms_list.append(terms)
+                num_tokens = sum(t.tokens for t in terms_list).to(self.device, torch.int)
+                finalize_model_grads([self.model], num_tokens=num_tokens)
+        zero = torch.zeros((), dtype=torch.float64)
+        sums = torch.stack([
+            sum((t.loss.detach().double().cpu() for t in terms_list), zero),
+            sum((t.pg.double().cpu() for t in terms_list), zero),
+            sum((t.kl.double().cpu() for t in terms_list), zero),
+            sum((t.clipped.double().cpu() for t in terms_list), zero),
+            sum((t.ratio.double().cpu() for t in terms_list), zero),
+            sum((t.tokens.double().cpu() for t in terms_list), zero),
+        ])
+        return self._reduce_sums(sums), unconsumed
+
+    def _per_token_inputs(self, samples: Sequence[Sample], advantages, old_logprobs, replay: bool
+                          ) -> dict[str, list[np.ndarray]]:
+        lengths = [s.response_length for s in samples]
+        adv = grpo.per_token_advantages(advantages, lengths)
+        if old_logprobs is None:
+            # pi_old: the current weights on the same routes, before any update of this call
+            old_logprobs = self.logprobs(samples, replay=replay).logprobs
+        old = [np.asarray(o, dtype=np.float32) for o in old_logprobs]
+        per_token = {"advantages": adv, "old_logprobs": old,
+                     "loss_mask": [np.asarray(s.loss_mask, dtype=np.float32) for s in samples]}
+        if self.ref_model is not None and self.cfg.algorithm.use_kl_loss:
+            per_token["ref_logprobs"] = self.reference_logprobs(samples)
+        return per_token
+
+    def train_step(self, samples: Sequence[Sample], advantages, *, replay: bool,
+                   old_logprobs: Sequence[np.ndarray] | None = None) -> dict[str, float]:
+        """GRPO update on ``samples``: ``len(samples) / algorithm.global_batch_size`` optimizer steps, each over
+        micro batches of ``trainer.micro_batch_size`` per data-parallel rank.
+
+        ``advantages``: one scalar or one ``float32[R]`` per sample. ``old_logprobs`` (pi_old per response token)
+        default to a no-grad pass of the current weights with the same ``replay`` setting.
+        """
+        if replay and self.replay is None:
+            raise RuntimeError("train_step(replay=True) needs a model built with routing replay")
+        gbs = self.cfg.algorithm.global_batch_size
+        if not samples or len(samples) % gbs:
+            raise ValueError(f"{len(samples)} samples do not split into global batches of {gbs} "
+                             "(algorithm.global_batch_size)")
+        routes = self._validated_routes(samples, required=True) if replay else None
+        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay)
+        totals = torch.zeros(6, dtype=torch.float64)
+        norms, ok_steps, unconsumed = [], 0, 0
+        lr = self.cfg.trainer.lr
+        for start in range(0, len(samples), gbs):
+            indices = list(range(start, start + gbs))
+            sums, left = self._accumulate(samples, indices, per_token, routes, replay)
+            lr = optim.lr_at(self.optimizer_step, self.total_steps, self.cfg.trainer.lr, self.cfg.trainer.min_lr)
+            self.optimizer.set_lr(lr)
+            ok, norm = self.optimizer.step()
+            self.optimizer_step += 1
+            ok_steps += int(ok)
+            norms.append(norm)
+            unconsumed += left
+            totals += sums
+        tokens = max(float(totals[5]), 1.0)
+        steps = len(samples) // gbs
+        metrics = {
+            "loss": float(totals[0]) / tokens,
+            "pg_loss": float(totals[1]) / tokens,
+            "kl": float(totals[2]) / tokens,
+            "clip_frac": float(totals[3]) / tokens,
+            "ratio_mean": float(totals[4]) / tokens,
+            "loss_tokens": float(totals[5]),
+            "grad_norm": float(np.mean(norms)),
+            "grad_norm_max": float(np.max(norms)),
+            "lr": lr,
+            "optimizer_steps": float(steps),
+            "skipped_steps": float(steps - ok_steps),
+            "step": float(self.optimizer_step),
+        }
+        if replay:
+            metrics["replay_backward_unconsumed"] = float(unconsumed)
+            metrics["replay_queue_after_step"] = float(self.replay.pending())
+        return metrics
+
+    def gradients(self, samples: Sequence[Sample], advantages, *, replay: bool,
+                  old_logprobs: Sequence[np.ndarray] | None = None) -> dict[str, Any]:
+        """One global batch's reduced gradients (``main_grad`` per parameter name), without an optimizer step."""
+        routes = self._validated_routes(samples, required=True) if replay else None
+        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay)
+        sums, left = self._accumulate(samples, list(range(len(samples))), per_token, routes, replay)
+        grads = {n: p.main_grad.detach().clone().cpu() for n, p in self.bare.named_parameters()}
+        self.model.zero_grad_buffer()
+        return {"grads": grads, "loss": float(sums[0]) / max(float(sums[5]), 1.0),
+                "replay_backward_unconsumed": left,
+                "replay_queue_after": self.replay.pending() if self.replay is not None else 0}
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    def hf_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The current weights as full HF-named CPU tensors on global rank 0 (None elsewhere), for an in-memory
+        weight update of the engines. Collective."""
+        return convert.gather_hf(self.bare, self.attention)
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Write the current weights as an HF checkpoint (safetensors + config + tokenizer). Collective."""
+        tensors = convert.gather_hf(self.bare, self.attention)
+        out = Path(out_dir)
+        if self.info.rank == 0:
+            convert.save_hf(tensors, out, self.source)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return out
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        state = {
+            "model": self.bare.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_step": self.optimizer_step,
+            "torch_rng": torch.get_rng_state(),
+            "tracker_rng": mrandom.get_cuda_rng_tracker().get_states(),
+            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+            "layout": self.info.layout,
+            "model_name": self.cfg.model.name,
+            "extra": dict(extra or {}),
+        }
+        return checkpoint.save(path, self.info.rank, self.info.world_size, state)
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        state = checkpoint.load(path, self.info.rank, self.info.world_size)
+        if state["layout"] != self.info.layout:
+            raise ValueError(f"{path}: saved with layout {state['layout']}, this trainer runs {self.info.layout}")
+        self.bare.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_step = int(state["optimizer_step"])
+        torch.set_rng_state(state["torch_rng"])
+        mrandom.get_cuda_rng_tracker().set_states(state["tracker_rng"])
+        if state.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        return state["extra"]
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.replay is not None:
+            self.replay.clear()
+        if self.routers:
+            forget_instances(self.routers)
+        self.model = self.bare = self.ref_model = self.optimizer = None
+        self.routers = []
+        distributed.release()
+
+    def __enter__(self) -> "MegatronTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,57 @@
+"""Real Megatron-core trainers on the tiny Qwen3-MoE, samples with real routes, and the HF model to compare with."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from megatron_helpers import HFReference
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    # Megatron 0.16 repeats deprecation notices on every layer it builds; keep this folder's reports readable
+    for item in items:
+        if HERE in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.filterwarnings("ignore::DeprecationWarning"))
+            item.add_marker(pytest.mark.filterwarnings("ignore::UserWarning:megatron.*"))
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dir, tiny_cfg) -> HFReference:
+    return HFReference(tiny_model_dir, tiny_cfg.model.moe_topk)
+
+
+@pytest.fixture(scope="session")
+def policy(tiny_model_dir):
+    """One trainer for the tests that never step the optimizer; micro batches of 4 so they carry padding."""
+    from r3rl.config import compose
+    from r3rl.train.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", "trainer.micro_batch_size=4"]))
+    yield trainer
+    trainer.shutdown()
+
+
+@pytest.fixture
+def new_trainer(tiny_model_dir):
+    """new_trainer(*overrides) -> a fresh MegatronTrainer on the tiny model, shut down after the test."""
+    from r3rl.config import compose
+    from r3rl.train.trainer import MegatronTrainer
+
+    made = []
+
+    def make(*overrides: str):
+        trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", *overrides]))
+        made.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in made:
+        trainer.shutdown()

@@ -1,0 +1,48 @@
+"""One rank of a multi-process trainer run (started by test_megatron_expert_parallel with RANK/WORLD_SIZE set).
+
+Usage: python megatron_ep_worker.py IN.pkl OUT.pkl OVERRIDE...   (rank 0 writes OUT.pkl)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def run(samples, advantages, overrides: list[str]) -> dict:
+    from r3rl.config import compose
+    from r3rl.train.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", *overrides]))
+    try:
+        recorded = trainer.record_routes(samples)
+        replayed = trainer.logprobs(samples, replay=True)
+        live = trainer.logprobs(samples, replay=False)
+        metrics = trainer.train_step(samples, advantages, replay=True, old_logprobs=replayed.logprobs)
+        after = trainer.logprobs(samples, replay=True)
+        return {
+            "recorded": recorded, "replayed": replayed.logprobs, "live": live.logprobs, "flips": live.flip_per_layer,
+            "match": replayed.replayed_routes_match, "metrics": metrics, "after": after.logprobs,
+            "world_size": trainer.info.world_size, "dp_size": trainer.info.dp_size,
+            "local_experts": len(trainer.bare.decoder.layers[0].mlp.experts.local_experts),
+        }
+    finally:
+        trainer.shutdown()
+
+
+def main() -> None:
+    src, dst, *overrides = sys.argv[1:]
+    with open(src, "rb") as f:
+        samples, advantages = pickle.load(f)
+    result = run(samples, advantages, overrides)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(dst, "wb") as f:
+            pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Expert parallel 2 in two real processes (gloo on 127.0.0.1) against the same run in one process."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from megatron_ep_worker import run
+from megatron_helpers import build_samples, random_routes, with_routes
+from r3rl.train.distributed import free_port
+from r3rl.train.grpo import group_advantages
+
+WORKER = Path(__file__).with_name("megatron_ep_worker.py")
+EP2 = ["parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2", "parallelism.trainer.expert_parallel=2"]
+
+
+def launch(world_size: int, args: list[str], tmp: Path) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        log = open(tmp / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir):
+    samples = build_samples(8, 31)
+    with_routes(samples, random_routes(samples, 4, 2, 8, seed=31))
+    adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
+    src, dst = tmp_path / "in.pkl", tmp_path / "out.pkl"
+    src.write_bytes(pickle.dumps((samples, adv)))
+    common = ["trainer.micro_batch_size=2"]
+    procs = launch(2, [str(src), str(dst), *common, *EP2], tmp_path)
+    try:
+        # the single-process reference runs here while the two ranks run in parallel
+        single = run(samples, adv, common)
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        stop(procs)
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2))
+    assert all(p.returncode == 0 for p in procs), logs
+    ep = pickle.loads(dst.read_bytes())
+    assert ep["world_size"] == 2 and ep["dp_size"] == 2 and ep["local_experts"] == 4
+    assert single["world_size"] == 1 and single["local_experts"] == 8
+    assert ep["match"] is True and single["match"] is True
+    for key in ("replayed", "live", "after"):
+        diff = max(np.abs(a - b).max() for a, b in zip(ep[key], single[key]))
+        assert diff < 1e-5, (key, diff)
+    assert np.allclose(ep["flips"], single["flips"], atol=0)
+    # the routing recorded across both ranks is the single process's routing
+    assert all(a.dtype == np.uint8 and a.shape == b.shape for a, b in zip(ep["recorded"], single["recorded"]))
+    same = np.mean([np.array_equal(np.sort(x, -1), np.sort(y, -1))
+                    for a, b in zip(ep["recorded"], single["recorded"]) for x, y in zip(a.reshape(-1, 2),
+                                                                                       b.reshape(-1, 2))])
+    assert same > 0.995, same
+    for key in ("loss", "pg_loss", "clip_frac", "loss_tokens"):
+        assert abs(ep["metrics"][key] - single["metrics"][key]) <= 1e-6 * max(1.0, abs(single["metrics"][key])), key
+    assert abs(ep["metrics"]["grad_norm"] - single["metrics"]["grad_norm"]) <= 1e-5 * single["metrics"]["grad_norm"]

@@ -1,0 +1,80 @@
+"""GRPO steps on a fixed batch, checkpoint resume, and export of trained weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_helpers import HFReference, build_samples, random_routes, with_routes
+from r3rl.train.grpo import group_advantages
+
+
+def fixed_batch(seed: int = 5):
+    samples = build_samples(8, seed)
+    with_routes(samples, random_routes(samples, 4, 2, 8, seed=seed))
+    advantages = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
+    assert np.abs(advantages).sum() > 0
+    return samples, advantages
+
+
+def params(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.bare.named_parameters()}
+
+
+def test_grpo_steps_lower_the_loss(new_trainer):
+    trainer = new_trainer("trainer.micro_batch_size=2", "trainer.lr=3e-4")
+    samples, adv = fixed_batch()
+    old = trainer.logprobs(samples, replay=True).logprobs  # pi_old of this rollout batch, kept for all epochs
+    losses = []
+    for _ in range(4):
+        m = trainer.train_step(samples, adv, replay=True, old_logprobs=old)
+        assert m["optimizer_steps"] == 1 and m["skipped_steps"] == 0 and np.isfinite(m["grad_norm"])
+        losses.append(m["loss"])
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert m["step"] == 4 and m["clip_frac"] >= 0
+
+
+def test_resume_reproduces_the_next_step_exactly(new_trainer, tmp_path):
+    first = new_trainer("algorithm.global_batch_size=4")
+    samples, adv = fixed_batch(seed=6)
+    first.train_step(samples, adv, replay=True)  # two optimizer steps (8 samples, global batch 4)
+    saved = first.save_checkpoint(tmp_path / "ckpt", extra={"rollout_step": 1, "note": "after one call"})
+    assert (saved / "COMPLETE").is_file()
+    expected = first.train_step(samples, adv, replay=True)
+    expected_params = params(first)
+
+    second = new_trainer("algorithm.global_batch_size=4")
+    assert any(not torch.equal(p, expected_params[n]) for n, p in params(second).items())
+    extra = second.load_checkpoint(saved)
+    assert extra == {"rollout_step": 1, "note": "after one call"}
+    got = second.train_step(samples, adv, replay=True)
+    assert got == expected  # every metric, including lr and the optimizer step count
+    for name, value in params(second).items():
+        assert torch.equal(value, expected_params[name]), name
+
+
+def test_exported_trained_weights_load_in_transformers(new_trainer, tmp_path):
+    trainer = new_trainer("trainer.lr=1e-3")
+    samples, adv = fixed_batch(seed=7)
+    before = trainer.logprobs(samples, replay=False).logprobs
+    trainer.train_step(samples, adv, replay=True)
+    after = trainer.logprobs(samples, replay=False).logprobs
+    assert max(np.abs(a - b).max() for a, b in zip(before, after)) > 1e-4  # the step moved the policy
+    hf = HFReference(trainer.export_hf(tmp_path / "hf"), topk=2)
+    for sample, mine in zip(samples, after):
+        theirs, _ = hf.run(sample)
+        assert np.abs(theirs - mine).max() < 1e-5
+
+
+def test_bfloat16_training_on_cpu_keeps_float32_master_weights(new_trainer):
+    trainer = new_trainer("trainer.params_dtype=bfloat16", "trainer.micro_batch_size=4", "trainer.lr=3e-4")
+    assert trainer.bare.output_layer.weight.dtype == torch.bfloat16
+    inner = trainer.optimizer.inner
+    assert all(m.dtype == torch.float32 for m in inner.masters)
+    assert all((m is not p) == (p.dtype == torch.bfloat16) for m, p in zip(inner.masters, inner.params))
+    samples, adv = fixed_batch(seed=8)
+    old = trainer.logprobs(samples, replay=True).logprobs
+    losses = [trainer.train_step(samples, adv, replay=True, old_logprobs=old)["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0], losses
+    # the bf16 weights are the rounded float32 masters
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(inner.params, inner.masters))

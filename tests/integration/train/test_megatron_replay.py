@@ -1,0 +1,128 @@
+"""Routing replay through Megatron's RouterReplay on the real tiny Qwen3-MoE (CPU, gloo)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_helpers import build_samples, random_routes, with_routes
+from r3rl.train.routes import RouteError
+
+
+def routed(policy, n=8, seed=0, routes="random", lengths=None):
+    samples = build_samples(n, seed, lengths=lengths)
+    m = policy.cfg.model
+    if routes == "random":
+        return with_routes(samples, random_routes(samples, m.num_layers, m.moe_topk, m.num_experts, seed))
+    return with_routes(samples, policy.record_routes(samples))
+
+
+def assert_replay_state_empty(policy):
+    for router in policy.routers:
+        rr = router.router_replay
+        assert rr.replay_backward_list == [] and rr.target_topk_idx is None and rr.router_replay_action is None
+
+
+def test_forced_routes_are_the_routes_used(policy):
+    samples = routed(policy, routes="random")
+    replayed = policy.logprobs(samples, replay=True)
+    live = policy.logprobs(samples, replay=False)
+    # the routing map Megatron built equals the replay target on every row of every layer
+    assert replayed.replayed_routes_match is True and replayed.replay_mismatch_rows == 0
+    # and the forced routes really were not the router's own choice
+    assert (live.flip_per_layer > 0.5).all()
+    assert max(np.abs(a - b).max() for a, b in zip(replayed.logprobs, live.logprobs)) > 1e-3
+    assert_replay_state_empty(policy)
+
+
+def test_router_weights_get_gradients_under_replay(policy):
+    samples = routed(policy, routes="random")
+    adv = np.linspace(-1.0, 1.0, len(samples))
+    out = policy.gradients(samples, adv, replay=True)
+    router_grads = {n: g for n, g in out["grads"].items() if n.endswith("mlp.router.weight")}
+    assert len(router_grads) == policy.cfg.model.num_layers
+    assert all(float(g.abs().sum()) > 0 for g in router_grads.values())
+    assert out["replay_queue_after"] == 0
+    assert_replay_state_empty(policy)
+
+
+def test_replaying_recorded_routes_reproduces_unreplayed_logprobs_exactly(policy):
+    # equal lengths: no padding rows, so both passes hand every expert exactly the same tokens
+    samples = routed(policy, routes="record", lengths=(7, 6))
+    live = policy.logprobs(samples, replay=False)
+    replayed = policy.logprobs(samples, replay=True)
+    assert all(np.array_equal(a, b) for a, b in zip(live.logprobs, replayed.logprobs))
+    assert np.array_equal(live.flip_per_layer, np.zeros(policy.cfg.model.num_layers))
+    assert replayed.replayed_routes_match is True
+
+    # other routes for a few tokens of one layer change the log-probs of what follows them
+    changed = [s.routed_experts.copy() for s in samples]
+    e = policy.cfg.model.num_experts
+    for r in changed:
+        r[len(r) // 2:, 1] = (r[len(r) // 2:, 1] + 1) % e  # still distinct and in range
+    other = policy.logprobs(with_routes(samples, changed), replay=True)
+    assert other.replayed_routes_match is True
+    assert all(not np.array_equal(a, b) for a, b in zip(other.logprobs, live.logprobs))
+
+
+def test_padding_rows_only_perturb_rounding(policy):
+    # with padding, filler rows send pad tokens to other experts than live routing would, which changes the row
+    # count of those experts' GEMMs and so the float rounding of real tokens, and nothing more
+    samples = routed(policy, routes="record")
+    assert len({s.num_tokens for s in samples}) > 1
+    live = policy.logprobs(samples, replay=False)
+    replayed = policy.logprobs(samples, replay=True)
+    assert max(np.abs(a - b).max() for a, b in zip(live.logprobs, replayed.logprobs)) < 1e-5
+    assert replayed.replayed_routes_match is True
+
+
+def test_flip_rate_counts_only_rows_with_rollout_routes(policy):
+    samples = routed(policy, routes="record")
+    e = policy.cfg.model.num_experts
+    layer = 2
+    total = sum(len(s.routed_experts) for s in samples)
+    flipped = 0
+    for s in samples:
+        s.routed_experts = s.routed_experts.copy()
+        s.routed_experts[0, layer] = (s.routed_experts[0, layer] + 3) % e  # first token's set can only change
+        flipped += 1
+    live = policy.logprobs(samples, replay=False)
+    expected = np.zeros(policy.cfg.model.num_layers)
+    expected[layer] = flipped / total
+    assert np.allclose(live.flip_per_layer, expected)
+
+
+def test_bad_routes_fail_naming_sample_and_layer(policy):
+    samples = routed(policy, routes="random")
+    good = [s.routed_experts for s in samples]
+    samples[2].routed_experts = good[2][:-2]
+    with pytest.raises(RouteError, match=r"sample 2: .*rows for .* tokens.*every layer"):
+        policy.logprobs(samples, replay=True)
+    samples[2].routed_experts = good[2][:, :3]
+    with pytest.raises(RouteError, match=r"sample 2: .* 3 layers, the model has 4 \(layer axis"):
+        policy.logprobs(samples, replay=True)
+    samples[2].routed_experts = good[2]
+    bad = good[1].copy()
+    bad[1, 3, 0] = policy.cfg.model.num_experts
+    samples[1].routed_experts = bad
+    with pytest.raises(RouteError, match=r"sample 1, layer 3: expert id .* out of range"):
+        policy.logprobs(samples, replay=True)
+    with pytest.raises(RouteError, match=r"sample 1, layer 3"):
+        policy.train_step(samples, np.zeros(len(samples)), replay=True)
+    assert_replay_state_empty(policy)
+
+
+def test_kl_reference_model_never_replays(new_trainer):
+    trainer = new_trainer("algorithm.use_kl_loss=true", "algorithm.kl_coef=0.1")
+    samples = with_routes(build_samples(8, 3), random_routes(build_samples(8, 3), 4, 2, 8, seed=3))
+    assert all(r.router_replay is None for r in trainer.ref_model.modules() if hasattr(r, "router_replay"))
+    live = trainer.logprobs(samples, replay=False).logprobs
+    ref = trainer.reference_logprobs(samples)
+    assert all(np.array_equal(a, b) for a, b in zip(live, ref))  # same weights, both routing live
+    old = trainer.logprobs(samples, replay=True).logprobs
+    first = trainer.train_step(samples, np.linspace(-1, 1, 8), replay=True, old_logprobs=old)
+    # pi_old replays the rollout routes while the reference routes live, so they differ from step 0 (P12)
+    assert first["kl"] > 0
+    second = trainer.train_step(samples, np.linspace(-1, 1, 8), replay=True, old_logprobs=old)
+    assert second["kl"] > 0
+    assert all(np.array_equal(a, b) for a, b in zip(ref, trainer.reference_logprobs(samples)))  # ref stays frozen

@@ -1,0 +1,82 @@
+"""The CPU compat layer: on without a GPU, off (Megatron untouched) when CUDA is available."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from r3rl.train import cpu_compat
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU side of the compat layer")
+
+CUDA_PRESENT = textwrap.dedent("""
+    import torch
+    # Without a GPU (CI) CUDA cannot really be made available; only this report is faked (a no-op on a GPU host).
+    torch.cuda.is_available = lambda: True
+    original_device = torch.cuda.current_device
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.fusions import fused_softmax
+    before = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, fused_softmax.get_default_causal_mask,
+              mrandom._CUDA_RNG_STATE_TRACKER)
+    from r3rl.train import cpu_compat
+    assert cpu_compat.apply_if_needed() is False
+    assert not cpu_compat.is_active()
+    assert torch.cuda.current_device is original_device
+    after = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, fused_softmax.get_default_causal_mask,
+             mrandom._CUDA_RNG_STATE_TRACKER)
+    assert all(a is b for a, b in zip(before, after)), "Megatron was patched although CUDA is available"
+    assert cpu_compat.transformer_overrides() == {}
+    assert cpu_compat.attention_mask(4, torch.device("cpu")) is None
+    cpu_compat.check_supported(2, 2, 2)  # GPU layouts are not refused
+    print("COMPAT-OFF-OK")
+""")
+
+
+def test_compat_stays_off_when_cuda_is_available():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-c", CUDA_PRESENT], capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "COMPAT-OFF-OK" in out.stdout
+
+
+@cpu_only
+def test_compat_applies_without_a_gpu():
+    assert cpu_compat.apply_if_needed() is True
+    from megatron.core.tensor_parallel import random as mrandom
+
+    assert torch.cuda.current_device() == torch.device("cpu")
+    assert isinstance(mrandom.get_cuda_rng_tracker(), cpu_compat.CpuRNGStatesTracker)
+    mask = cpu_compat.attention_mask(3, torch.device("cpu"))
+    assert mask.shape == (1, 1, 3, 3) and mask[0, 0].tolist() == [[False, True, True], [False, False, True],
+                                                                  [False, False, False]]
+    overrides = cpu_compat.transformer_overrides()
+    assert overrides["moe_token_dispatcher_type"] == "allgather" and overrides["use_cpu_initialization"]
+    with pytest.raises(RuntimeError, match="pipeline_parallel"):
+        cpu_compat.check_supported(1, 2, 1)
+
+
+def test_cpu_rng_tracker_forks_like_the_cuda_one():
+    tracker = cpu_compat.CpuRNGStatesTracker()
+    tracker.add("a", 11)
+    torch.manual_seed(0)
+    outside = torch.rand(3)
+    torch.manual_seed(0)
+    with tracker.fork("a"):
+        first = torch.rand(3)
+    assert torch.equal(torch.rand(3), outside)  # the default stream is untouched by the fork
+    with tracker.fork("a"):
+        second = torch.rand(3)
+    assert not torch.equal(first, second)  # the named stream advanced
+    saved = tracker.get_states()
+    with tracker.fork("a"):
+        third = torch.rand(3)
+    tracker.set_states(saved)
+    with tracker.fork("a"):
+        assert torch.equal(torch.rand(3), third)  # restoring states replays the stream (activation recompute)
+    with pytest.raises(RuntimeError):
+        tracker.add("b", 11)
