@@ -101,6 +101,8 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str) -> list[str]:
         argv += ["--kv-cache-memory-bytes", str(64 * 1024 * 1024)]
     else:
         argv += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
+    # weight updates from the trainer's HF folder (r3rl.rollout.weights) re-run each layer's post-load processing
+    argv += ["--worker-extension-cls", "r3rl.rollout.worker_extension.R3RLWorkerExtension"]
     argv += list(eng.extra_args)
     return argv
 

@@ -1,0 +1,58 @@
+"""Process-tree bookkeeping from /proc (Linux, where vLLM runs): which PIDs an engine owns, and whether they live.
+
+A vLLM server is an API process with an EngineCore child, which has Worker children, plus a multiprocessing
+resource tracker. If the API process is killed, the others are re-parented to init, so "the children of the
+server" must be snapshotted while the tree is intact; the process group catches the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, pgid) of a process, None when it does not exist."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after its closing parenthesis
+    rest = text[text.rindex(")") + 2:].split()
+    return rest[0], int(rest[1]), int(rest[2])
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has exited; it only waits to be reaped)."""
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children, grandchildren, ...), from one /proc scan."""
+    children: dict[int, list[int]] = {}
+    for p in _all_pids():
+        st = _stat(p)
+        if st is not None:
+            children.setdefault(st[1], []).append(p)
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group (the engine's own session: it was started with setsid)."""
+    out = []
+    for p in _all_pids():
+        st = _stat(p)
+        if st is not None and st[2] == pgid and st[0] not in ("Z", "X"):
+            out.append(p)
+    return out

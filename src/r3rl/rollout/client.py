@@ -1,0 +1,217 @@
+"""The rollout client: prompts in, validated ``Sample``s out, over one or more vLLM engines.
+
+Requests go to ``/inference/v1/generate`` with bounded concurrency per engine; a prompt's samples go to the same
+engine (they share the prompt's prefix cache). Seeds are a function of (step, sample index), so a rollout is
+reproducible whatever the engine count or the order requests finish in.
+
+Ending a rollout early: ``pause_abort()`` pauses every engine with ``mode=abort`` (requests in flight come back
+``finish_reason="abort"``) and waits until they are all back; ``resume()`` restarts the engines. Aborted samples
+are never returned as trainable: with ``on_abort="regenerate"`` (default) they are sent again after the resume,
+with ``on_abort="drop"`` they (and samples not yet sent) are left out of the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence
+from typing import Literal
+
+import httpx
+from tqdm.auto import tqdm
+
+from r3rl.config.schema import SamplingConfig
+from r3rl.rollout.errors import EngineError
+from r3rl.rollout.routed_experts import RouteSpec
+from r3rl.rollout.wire import GENERATE_PATH, parse_response, request_body, sample_seed
+from r3rl.sample import Sample, SampleStatus
+
+OnAbort = Literal["regenerate", "drop"]
+
+
+class RolloutClient:
+    def __init__(self, urls: Sequence[str], *, num_layers: int, topk: int, num_experts: int, routing_replay: bool,
+                 max_concurrency: int = 64, request_timeout_s: float = 600.0, on_abort: OnAbort = "regenerate",
+                 progress: bool = True) -> None:
+        if not urls:
+            raise ValueError("RolloutClient needs at least one engine URL")
+        if on_abort not in ("regenerate", "drop"):
+            raise ValueError(f"on_abort={on_abort!r}: expected 'regenerate' or 'drop'")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.spec = RouteSpec(num_layers=num_layers, topk=topk, num_experts=num_experts)
+        self.routing_replay = routing_replay
+        self.max_concurrency = max_concurrency
+        self.request_timeout_s = request_timeout_s
+        self.on_abort = on_abort
+        self.progress = progress
+        # request ids must be unique among everything in flight on a server, also across clients and restarts
+        self._nonce = secrets.token_hex(3)
+        self._running: asyncio.Event | None = None
+        self._aborting = False
+        self._in_flight = 0
+        self._drained: asyncio.Event | None = None
+
+    @classmethod
+    def from_config(cls, cfg, urls: Sequence[str], **kwargs) -> RolloutClient:
+        """From a validated ``R3RLConfig`` (model shape, rollout.routing_replay, rollout.engine limits)."""
+        m, eng = cfg.model, cfg.rollout.engine
+        kwargs.setdefault("max_concurrency", eng.max_concurrency)
+        kwargs.setdefault("request_timeout_s", eng.request_timeout_s)
+        return cls(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
+                   routing_replay=cfg.rollout.routing_replay, **kwargs)
+
+    # -- generation ---------------------------------------------------------------------------------------------
+    async def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *, step: int = 0,
+                       stop_token_ids: Sequence[int] | None = None, labels: Sequence[str | None] | None = None,
+                       max_tokens: Sequence[int] | None = None) -> list[Sample]:
+        """``n`` samples per prompt; sample ``i = prompt * n + j`` has ``group = prompt`` and seed
+        ``sampling.seed + step * 100003 + i``. ``max_tokens`` optionally caps each prompt separately."""
+        if labels is not None and len(labels) != len(prompts):
+            raise ValueError(f"labels: expected {len(prompts)} (one per prompt), got {len(labels)}")
+        if max_tokens is not None and len(max_tokens) != len(prompts):
+            raise ValueError(f"max_tokens: expected {len(prompts)} (one per prompt), got {len(max_tokens)}")
+        self._ensure_loop_state()
+        routes = self.spec if self.routing_replay else None
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        timeout = httpx.Timeout(self.request_timeout_s, connect=30.0)
+        clients = {u: httpx.AsyncClient(base_url=u, limits=limits, timeout=timeout) for u in self.urls}
+        gates = {u: asyncio.Semaphore(self.max_concurrency) for u in self.urls}
+        bar = tqdm(total=len(prompts) * n, desc=f"rollout step {step}", unit="sample", disable=not self.progress,
+                   leave=False)
+
+        async def one(index: int, group: int) -> Sample | None:
+            url = self.urls[group % len(self.urls)]
+            prompt = prompts[group]
+            seed = sample_seed(sampling.seed, step, index)
+            attempt = 0
+            while True:
+                if self._aborting and self.on_abort == "drop":
+                    return None
+                assert self._running is not None
+                await self._running.wait()
+                rid = f"r3rl-{self._nonce}-s{step}-{index}-a{attempt}"
+                body = request_body(rid, prompt, sampling, seed, stop_token_ids,
+                                    None if max_tokens is None else max_tokens[group])
+                async with gates[url]:
+                    if not self._running.is_set():
+                        continue  # paused while waiting for a slot: never send into a paused engine
+                    data = await self._post(clients[url], url, body, index, rid)
+                sample = parse_response(data, url=url, index=index, group=group, request_id=rid, prompt=prompt,
+                                        routes=routes, label=None if labels is None else labels[group])
+                if sample.status is not SampleStatus.ABORTED:
+                    bar.update(1)
+                    return sample
+                if self.on_abort == "drop":
+                    return None
+                attempt += 1
+
+        tasks = [asyncio.create_task(one(p * n + j, p)) for p in range(len(prompts)) for j in range(n)]
+        if not tasks:
+            bar.close()
+            await asyncio.gather(*(c.aclose() for c in clients.values()))
+            return []
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            return [s for s in (t.result() for t in tasks) if s is not None]
+        finally:
+            for task in tasks:
+                task.cancel()
+            bar.close()
+            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+
+    def generate_sync(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
+                      **kwargs) -> list[Sample]:
+        """``generate`` from synchronous code (runs its own event loop)."""
+        self._running = None  # the events belong to a loop; a new loop gets new ones
+        try:
+            return asyncio.run(self.generate(prompts, n, sampling, **kwargs))
+        finally:
+            self._running = None
+
+    async def _post(self, client: httpx.AsyncClient, url: str, body: dict, index: int, rid: str) -> dict:
+        self._in_flight += 1
+        try:
+            resp = await client.post(GENERATE_PATH, json=body)
+        except httpx.TimeoutException as err:
+            raise EngineError(f"engine {url}: sample {index} (request {rid}) got no answer within "
+                              f"{self.request_timeout_s:.0f}s ({type(err).__name__})", url=url) from err
+        except httpx.HTTPError as err:
+            raise EngineError(f"engine {url} failed during sample {index} (request {rid}): "
+                              f"{type(err).__name__}: {err or 'connection lost'} (did the server die?)",
+                              url=url) from err
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._drained is not None:
+                self._drained.set()
+        if resp.status_code == 404:
+            raise EngineError(f"engine {url}: {GENERATE_PATH} not found; the server needs --enable-scale-out "
+                              "(r3rl.plan adds it)", url=url)
+        if resp.status_code != 200:
+            raise EngineError(f"engine {url}: sample {index} (request {rid}) failed with HTTP {resp.status_code}: "
+                              f"{resp.text[:2000]}", url=url)
+        return resp.json()
+
+    # -- ending a rollout early ---------------------------------------------------------------------------------
+    def _ensure_loop_state(self) -> None:
+        if self._running is None:
+            self._running = asyncio.Event()
+            self._running.set()
+            self._drained = asyncio.Event()
+
+    async def pause_abort(self) -> None:
+        """Pause every engine with ``mode=abort`` and wait until the requests in flight have come back."""
+        self._ensure_loop_state()
+        assert self._running is not None and self._drained is not None
+        self._aborting = True
+        self._running.clear()
+        self._drained.clear()
+        if self._in_flight == 0:
+            self._drained.set()
+        await self._control("/pause", params={"mode": "abort"})
+        # A request that reached a server just after its pause is held there until /resume; abort those too
+        # (they come back aborted with no tokens), or the drain would wait forever.
+        while True:
+            try:
+                await asyncio.wait_for(self._drained.wait(), timeout=1.0)
+                return
+            except asyncio.TimeoutError:
+                await self._control("/abort_requests", json={})
+
+    async def resume(self) -> None:
+        """Resume every engine; regenerated samples go out again."""
+        self._ensure_loop_state()
+        assert self._running is not None
+        await self._control("/resume")
+        self._aborting = False
+        self._running.set()
+
+    async def _control(self, path: str, params: dict | None = None, json: dict | None = None) -> None:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            for url in self.urls:
+                try:
+                    resp = await client.post(f"{url}{path}", params=params, json=json)
+                except httpx.HTTPError as err:
+                    raise EngineError(f"engine {url}: {path} failed: {type(err).__name__}: {err}", url=url) from err
+                if resp.status_code != 200:
+                    raise EngineError(f"engine {url}: {path} answered HTTP {resp.status_code} ({resp.text[:500]}); "
+                                      "pause/resume need VLLM_SERVER_DEV_MODE=1", url=url)
+
+    # -- start-up check -----------------------------------------------------------------------------------------
+    async def check_engines(self, *, timeout_s: float = 120.0) -> list[dict]:
+        """Probe every engine (version, and with routing replay one request with valid routes); raises EngineError."""
+        from r3rl.rollout.probe import check_engine
+
+        spec = self.spec if self.routing_replay else None
+        reports = await asyncio.gather(*(asyncio.to_thread(check_engine, url, spec=spec, timeout_s=timeout_s)
+                                         for url in self.urls))
+        return [r.as_dict() for r in reports]
+
+    def check_engines_sync(self, *, timeout_s: float = 120.0) -> list[dict]:
+        return asyncio.run(self.check_engines(timeout_s=timeout_s))

@@ -1,0 +1,196 @@
+"""Routed experts on the wire (base64 of a ``.npy``) -> validated ``uint8/uint16 [T-1, L, K]`` arrays.
+
+The contract (docs: r3-contract.md §1): an engine returns one row per token it forwarded, i.e. ``len(tokens) - 1``
+rows; exactly one surplus row (some builds route the last token too) is dropped, anything else is an error. The
+payload is never unpickled and never widened: the array returned is a zero-copy view of the decoded bytes when the
+wire dtype is already the narrow dtype of ``num_experts`` (read-only, like everything the engine reported).
+
+Every error is a ``RoutedExpertsError`` naming the sample index, the request id and expected vs got, because the
+batch it comes from may hold thousands of samples and the request id is what the engine log knows.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from r3rl.rollout import _kernels
+from r3rl.sample import routes_dtype
+
+_NPY_MAGIC = b"\x93NUMPY"
+# Header dicts are tiny; anything beyond this is not a payload vLLM wrote.
+_MAX_HEADER_BYTES = 65536
+
+
+class RoutedExpertsError(ValueError):
+    """Routed experts that break the contract; the message says which sample, which request, expected vs got."""
+
+    def __init__(self, sample_index: int | None, request_id: str | None, what: str,
+                 expected: object = None, got: object = None, hint: str | None = None) -> None:
+        self.sample_index = sample_index
+        self.request_id = request_id
+        self.what = what
+        self.expected = expected
+        self.got = got
+        where = f"sample {sample_index} (request {request_id})"
+        msg = f"{where}: routed experts {what}"
+        if expected is not None or got is not None:
+            msg += f": expected {expected}, got {got}"
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """What the trainer's model needs: layers (HF num_hidden_layers), top-k and the number of routed experts."""
+
+    num_layers: int
+    topk: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return routes_dtype(self.num_experts)
+
+
+def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
+                     request_id: str | None = None) -> np.ndarray:
+    """base64(``.npy``) -> ndarray, refusing object arrays before anything is unpickled; zero-copy over the bytes."""
+
+    def fail(what: str, expected: object = None, got: object = None, hint: str | None = None) -> RoutedExpertsError:
+        return RoutedExpertsError(sample_index, request_id, what, expected, got, hint)
+
+    if not isinstance(payload, (str, bytes)):
+        raise fail("payload has the wrong type", "a base64 string", type(payload).__name__)
+    try:
+        # validate=True: a stray character is an error here, not silently skipped into a shifted decode
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise fail("payload is not valid base64", hint=str(err)) from None
+    if not raw.startswith(_NPY_MAGIC):
+        raise fail("payload is not an .npy file", f"magic {_NPY_MAGIC!r}", repr(raw[:6]))
+    head = io.BytesIO(raw[: _MAX_HEADER_BYTES + 16])
+    try:
+        version = np.lib.format.read_magic(head)
+        if version == (1, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(head, max_header_size=_MAX_HEADER_BYTES)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(head, max_header_size=_MAX_HEADER_BYTES)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except ValueError as err:
+        raise fail("payload has a malformed .npy header", hint=str(err)) from None
+    if dtype.hasobject:
+        raise fail("payload holds Python objects (refused: it would need unpickling)", "an integer dtype", str(dtype))
+    offset = head.tell()
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(raw) - offset != count * dtype.itemsize:
+        raise fail("payload size does not match its .npy header", f"{count * dtype.itemsize} data bytes",
+                   f"{len(raw) - offset}", hint=f"shape {shape}, dtype {dtype}")
+    flat = np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
+    if fortran_order:
+        return np.ascontiguousarray(flat.reshape(shape[::-1]).T)
+    return flat.reshape(shape)
+
+
+def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_index: int | None = None,
+                 request_id: str | None = None) -> np.ndarray:
+    """Validate a decoded ``[rows, L, K]`` array against a sample of ``num_tokens`` tokens; returns the narrow,
+    row-trimmed array (one surplus row dropped).
+
+    Checks, in the order that gives the most telling message first: integer dtype, 3 dims, rows == T-1 (T
+    tolerated), (L, K), no MoE layer all zero (K > 1), ids < E, K distinct ids per row.
+    """
+
+    def fail(what: str, expected: object = None, got: object = None, hint: str | None = None) -> RoutedExpertsError:
+        return RoutedExpertsError(sample_index, request_id, what, expected, got, hint)
+
+    if arr.dtype.kind not in "iu":
+        raise fail("have a non-integer dtype", "uint8/uint16 (or another integer dtype)", str(arr.dtype))
+    if arr.ndim != 3:
+        raise fail("have the wrong number of dimensions", "3 (tokens-1, layers, top-k)", f"{arr.ndim} {arr.shape}")
+    rows, layers, topk = arr.shape
+    expected_rows = num_tokens - 1
+    if rows == expected_rows + 1:
+        # some builds also report the last sampled token's route; no router ran on it for training purposes
+        arr = arr[:expected_rows]
+    elif rows != expected_rows:
+        raise fail("cover the wrong number of tokens", f"{expected_rows} rows (len(tokens) - 1 = {num_tokens} - 1, "
+                   "or one surplus row)", f"{rows} rows", hint="engine/client token bookkeeping disagree")
+    if (layers, topk) != (spec.num_layers, spec.topk):
+        raise fail("have the wrong (layers, top-k)", (spec.num_layers, spec.topk), (layers, topk),
+                   hint="is the engine serving the model the trainer is configured for?")
+    if arr.shape[0] == 0:
+        return _narrow(arr, spec, fail)
+    if arr.dtype.kind == "i":
+        low = int(arr.min())
+        if low < 0:
+            raise fail("contain negative expert ids", ">= 0", low)
+    layer_max = arr.reshape(arr.shape[0], layers * topk).max(axis=0).reshape(layers, topk).max(axis=1)
+    if topk > 1:
+        # K > 1 distinct ids cannot all be 0: an all-zero layer means the capture never ran for it
+        zero_layers = np.flatnonzero(layer_max == 0).tolist()
+        if zero_layers:
+            raise fail("are all zero for MoE layers", "at least one non-zero id per MoE layer",
+                       f"layers {zero_layers} all zero", hint="capture not bound, or engine stages not aggregated; "
+                       "refusing to replay expert 0 everywhere")
+    top = int(layer_max.max())
+    if top >= spec.num_experts:
+        row, layer = _first_out_of_range(arr, spec.num_experts)
+        raise fail("contain an expert id out of range", f"ids < num_experts = {spec.num_experts}",
+                   f"id {top} (first bad: token row {row}, layer {layer}: {arr[row, layer].tolist()})")
+    arr = _narrow(arr, spec, fail)
+    if topk > 1 and _kernels.has_duplicate_rows(arr.reshape(-1, topk)):
+        flat_row = _kernels.first_duplicate_row(arr.reshape(-1, topk))
+        row, layer = divmod(flat_row, layers)
+        raise fail("repeat an expert within a row", f"{topk} distinct ids per (token, layer)",
+                   f"{arr[row, layer].tolist()} at token row {row}, layer {layer}")
+    return arr
+
+
+def _narrow(arr: np.ndarray, spec: RouteSpec, fail) -> np.ndarray:
+    """uint8 for E <= 256, uint16 above: what the trainer receives; a view when the wire already is that dtype."""
+    if arr.dtype == spec.dtype:
+        return arr
+    if arr.size and int(arr.max()) > np.iinfo(spec.dtype).max:
+        raise fail("do not fit the routes dtype", f"ids <= {np.iinfo(spec.dtype).max}", int(arr.max()))
+    return arr.astype(spec.dtype)
+
+
+def _first_out_of_range(arr: np.ndarray, num_experts: int) -> tuple[int, int]:
+    bad = np.argwhere(arr >= num_experts)[0]
+    return int(bad[0]), int(bad[1])
+
+
+def decode_routed_experts(payload: object, num_tokens: int, spec: RouteSpec, *, sample_index: int | None = None,
+                          request_id: str | None = None) -> np.ndarray:
+    """Wire payload -> validated narrow ``[num_tokens - 1, L, K]`` array (see ``check_routes``)."""
+    arr = b64_to_npy_array(payload, sample_index=sample_index, request_id=request_id)
+    return check_routes(arr, num_tokens, spec, sample_index=sample_index, request_id=request_id)
+
+
+def routes_for_sample(payload: object, *, aborted: bool, prompt_len: int, response_len: int, spec: RouteSpec,
+                      sample_index: int | None = None, request_id: str | None = None) -> np.ndarray | None:
+    """The per-sample rule, with status already taken from ``finish_reason``: ``None`` is legal only for an
+    aborted request that produced no token (the engine never forwarded it)."""
+    if payload is None:
+        if aborted and response_len == 0:
+            return None
+        raise RoutedExpertsError(
+            sample_index, request_id, "are missing", "a base64 .npy payload", "None",
+            hint=("engine launched without --enable-return-routed-experts?" if not aborted else
+                  f"aborted after {response_len} tokens, which must carry routes"))
+    return decode_routed_experts(payload, prompt_len + response_len, spec, sample_index=sample_index,
+                                 request_id=request_id)
+
+
+def encode_routed_experts(arr: np.ndarray) -> str:
+    """ndarray -> base64(``.npy``), the wire format vLLM uses (tests and benchmarks build payloads with it)."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")

@@ -1,0 +1,102 @@
+"""``POST /inference/v1/generate``: the request body r3rl sends and the response -> ``Sample``.
+
+Status comes from ``finish_reason`` before anything else (an aborted request legitimately lacks routes when it
+produced no token); then tokens, log-probs, and with routing replay the routed experts, validated per the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from r3rl.config.schema import SamplingConfig
+from r3rl.rollout.errors import EngineError
+from r3rl.rollout.routed_experts import RouteSpec, routes_for_sample
+from r3rl.sample import Sample, SampleStatus
+
+GENERATE_PATH = "/inference/v1/generate"
+
+_STATUS = {
+    "stop": SampleStatus.COMPLETED,  # EOS or a stop token
+    "repetition": SampleStatus.COMPLETED,  # the engine's repetition detector ended it: a real end of the response
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+
+def sample_seed(base_seed: int, step: int, index: int) -> int:
+    """Request ``index`` of step ``step`` (conf/rollout/vllm.yaml: ``seed + step * 100003 + index``)."""
+    return base_seed + step * 100003 + index
+
+
+def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfig, seed: int,
+                 stop_token_ids: Sequence[int] | None = None, max_tokens: int | None = None) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens if max_tokens is None else max_tokens,
+        "seed": seed,
+        # 0: the log-prob of the sampled token only (the rollout log-prob the trainer compares against)
+        "logprobs": 0,
+        # token ids in, token ids out: no detokenization work on the server
+        "detokenize": False,
+    }
+    if stop_token_ids:
+        params["stop_token_ids"] = [int(t) for t in stop_token_ids]
+    return {"request_id": request_id, "token_ids": [int(t) for t in prompt], "sampling_params": params}
+
+
+def status_from_finish_reason(finish_reason: object, *, url: str, index: int, request_id: str) -> SampleStatus:
+    status = _STATUS.get(finish_reason) if isinstance(finish_reason, str) else None
+    if status is None:
+        raise EngineError(f"engine {url}: sample {index} (request {request_id}) finished with finish_reason="
+                          f"{finish_reason!r}; expected one of {sorted(_STATUS)}", url=url)
+    return status
+
+
+def _weight_version(spans: object) -> int | None:
+    """The oldest weight version that produced a token of the response (``None`` before any labelled update)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    try:
+        return min(int(s["version"]) for s in spans)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def parse_response(body: dict[str, Any], *, url: str, index: int, group: int, request_id: str,
+                   prompt: Sequence[int], routes: RouteSpec | None, label: str | None = None) -> Sample:
+    """One ``/inference/v1/generate`` response -> ``Sample`` (routes decoded and validated when ``routes``)."""
+
+    def bad(what: str) -> EngineError:
+        return EngineError(f"engine {url}: sample {index} (request {request_id}): {what}", url=url)
+
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1:
+        raise bad(f"expected exactly 1 choice, got {None if choices is None else len(choices)}")
+    choice = choices[0]
+    status = status_from_finish_reason(choice.get("finish_reason"), url=url, index=index, request_id=request_id)
+    tokens = choice.get("token_ids") or []
+    response_ids = np.asarray(tokens, dtype=np.int32)
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(response_ids):
+        raise bad(f"log-probs for {len(content)} tokens, expected {len(response_ids)} (one per response token)")
+    logprobs = np.fromiter((c["logprob"] for c in content), dtype=np.float32, count=len(content))
+    routed = None
+    if routes is not None:
+        routed = routes_for_sample(choice.get("routed_experts"), aborted=status is SampleStatus.ABORTED,
+                                   prompt_len=len(prompt), response_len=len(response_ids), spec=routes,
+                                   sample_index=index, request_id=request_id)
+    # an aborted sample is kept only to be dropped or regenerated: nothing of it is trainable
+    mask_value = 0.0 if status is SampleStatus.ABORTED else 1.0
+    spans = choice.get("weight_versions")
+    return Sample(
+        index=index, group=group, request_id=request_id,
+        prompt_ids=np.asarray(prompt, dtype=np.int32), response_ids=response_ids,
+        rollout_logprobs=logprobs, loss_mask=np.full(len(response_ids), mask_value, dtype=np.float32),
+        finish_reason=str(choice.get("finish_reason")), status=status, routed_experts=routed, label=label,
+        weight_version=_weight_version(spans),
+        extra={"engine": url, "stop_reason": choice.get("stop_reason"), "weight_versions": spans},
+    )

@@ -1,0 +1,80 @@
+"""Engine launch arguments from the plan, and the launcher's and client's refusals that need no vLLM server:
+a port already taken, a bad attach URL, an engine that is not there."""
+
+from __future__ import annotations
+
+import shlex
+import socket
+
+import pytest
+
+from r3rl.config.schema import SamplingConfig
+from r3rl.plan import build_plan
+from r3rl.rollout.client import RolloutClient
+from r3rl.rollout.engine import EngineError, VLLMEngine
+
+
+def test_r3_engine_argv_has_what_routed_experts_need(compose_cfg):
+    plan = build_plan(compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout=vllm_r3"))
+    (engine,) = plan.engines
+    argv = list(engine.argv)
+    for flag in ("--enable-return-routed-experts", "--enable-scale-out", "--enable-prefix-caching",
+                 "--no-async-scheduling"):
+        assert flag in argv
+    assert argv[argv.index("--worker-extension-cls") + 1] == "r3rl.rollout.worker_extension.R3RLWorkerExtension"
+    assert engine.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and engine.env["TRITON_INTERPRET"] == "1"
+
+
+def test_non_r3_engine_keeps_the_configured_prefix_caching(compose_cfg):
+    (engine,) = build_plan(compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout=vllm")).engines
+    argv = shlex.join(engine.argv)
+    assert "--enable-return-routed-experts" not in argv and "--no-enable-prefix-caching" in argv
+    assert "--worker-extension-cls" in argv
+
+
+def test_cpu_profile_never_on_a_gpu_parallelism(compose_cfg):
+    plan = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4", "rollout=vllm_r3"))
+    for engine in plan.engines:
+        assert "TRITON_INTERPRET" not in engine.env and "VLLM_USE_V2_MODEL_RUNNER" not in engine.env
+        assert engine.env["CUDA_VISIBLE_DEVICES"]
+
+
+def test_launch_refuses_a_port_someone_listens_on(compose_cfg, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = compose_cfg("model=tiny_moe", "parallelism=cpu", f"rollout.engine.base_port={port}")
+        with pytest.raises(EngineError, match=f"port {port} .* already in use"):
+            VLLMEngine.launch(build_plan(cfg).engines[0], tmp_path, 10)
+    assert not list(tmp_path.iterdir())  # nothing was started
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_attach_needs_a_url_and_a_live_server():
+    with pytest.raises(EngineError, match="expected http://HOST:PORT"):
+        VLLMEngine.attach("localhost:8000")
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(EngineError, match=f"engine at {url} did not answer /health"):
+        VLLMEngine.attach(url, timeout_s=1)
+
+
+def test_client_names_an_engine_that_is_not_there():
+    url = f"http://127.0.0.1:{_closed_port()}"
+    client = RolloutClient([url], num_layers=4, topk=2, num_experts=8, routing_replay=True, progress=False)
+    with pytest.raises(EngineError, match=f"engine {url} failed during sample 0"):
+        client.generate_sync([[1, 2, 3]], 1, SamplingConfig(max_tokens=4))
+
+
+def test_start_up_check_reads_the_route_shape_from_the_served_checkpoint(tiny_model_dir, tmp_path):
+    from r3rl.rollout.probe import spec_from_checkpoint
+
+    spec = spec_from_checkpoint(tiny_model_dir)
+    assert (spec.num_layers, spec.topk, spec.num_experts) == (4, 2, 8)
+    assert spec_from_checkpoint(tmp_path) is None  # no config.json: the client's check (from the config) remains

@@ -1,0 +1,91 @@
+"""``/inference/v1/generate`` responses -> ``Sample``, with hand-made bodies: status from finish_reason first,
+lengths, masks, weight versions, request bodies and seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3rl.config.schema import SamplingConfig
+from r3rl.rollout.errors import EngineError
+from r3rl.rollout.routed_experts import RoutedExpertsError, RouteSpec, encode_routed_experts
+from r3rl.rollout.wire import parse_response, request_body, sample_seed
+from r3rl.sample import SampleStatus
+
+SPEC = RouteSpec(num_layers=2, topk=2, num_experts=4)
+PROMPT = [11, 12, 13]
+
+
+def routes(rows: int) -> str:
+    return encode_routed_experts(np.tile(np.array([[0, 1], [2, 3]], np.uint8), (rows, 1, 1)))
+
+
+def body(finish="length", tokens=(5, 6), routed="auto", logprobs="auto", versions=None):
+    content = [{"token_id": t, "logprob": -0.5 - i} for i, t in enumerate(tokens)] if logprobs == "auto" else logprobs
+    return {"request_id": "generate-tokens-x", "choices": [{
+        "index": 0, "finish_reason": finish, "token_ids": list(tokens),
+        "routed_experts": routes(len(PROMPT) + len(tokens) - 1) if routed == "auto" else routed,
+        "logprobs": {"content": content}, "weight_versions": versions}]}
+
+
+def parse(b, routes_spec=SPEC):
+    return parse_response(b, url="http://e:1", index=3, group=1, request_id="rid-3", prompt=PROMPT, routes=routes_spec)
+
+
+@pytest.mark.parametrize("finish,status", [("stop", SampleStatus.COMPLETED), ("length", SampleStatus.TRUNCATED),
+                                           ("repetition", SampleStatus.COMPLETED)])
+def test_finish_reason_sets_status_and_sample_fields(finish, status):
+    s = parse(body(finish=finish, versions=[{"version": "4", "start": 0, "end": 2}]))
+    assert s.status is status and s.finish_reason == finish
+    assert s.response_ids.tolist() == [5, 6] and s.response_ids.dtype == np.int32
+    np.testing.assert_allclose(s.rollout_logprobs, [-0.5, -1.5])
+    assert s.loss_mask.tolist() == [1.0, 1.0]
+    assert s.routed_experts.shape == (4, 2, 2) and s.routed_experts.dtype == np.uint8
+    assert (s.index, s.group, s.request_id, s.weight_version) == (3, 1, "rid-3", 4)
+
+
+def test_unknown_finish_reason_is_an_engine_error():
+    with pytest.raises(EngineError, match=r"sample 3 \(request rid-3\).*finish_reason='error'"):
+        parse(body(finish="error"))
+
+
+def test_aborted_before_any_token_has_no_routes_and_nothing_trainable():
+    s = parse(body(finish="abort", tokens=(), routed=None))
+    assert s.status is SampleStatus.ABORTED and s.routed_experts is None and s.response_length == 0
+
+
+def test_aborted_mid_generation_keeps_its_routes_but_masks_everything():
+    s = parse(body(finish="abort", tokens=(5, 6, 7)))
+    assert s.status is SampleStatus.ABORTED and s.routed_experts.shape[0] == 5
+    assert not s.loss_mask.any()
+
+
+def test_missing_routes_on_a_finished_sample_fail_with_the_sample_named():
+    with pytest.raises(RoutedExpertsError, match=r"sample 3 \(request rid-3\).*missing"):
+        parse(body(routed=None))
+
+
+def test_routes_ignored_without_routing_replay():
+    s = parse(body(routed=None), routes_spec=None)
+    assert s.routed_experts is None and s.status is SampleStatus.TRUNCATED
+
+
+def test_logprobs_must_cover_every_response_token():
+    with pytest.raises(EngineError, match="log-probs for 1 tokens, expected 2"):
+        parse(body(logprobs=[{"token_id": 5, "logprob": -1.0}]))
+
+
+def test_default_weight_version_is_none():
+    assert parse(body(versions=[{"version": "default", "start": 0, "end": 2}])).weight_version is None
+
+
+def test_request_body_and_seeds():
+    sampling = SamplingConfig(temperature=0.7, top_p=1.0, max_tokens=9, seed=100)
+    b = request_body("r", [1, 2], sampling, seed=5, stop_token_ids=[7])
+    sp = b["sampling_params"]
+    assert b["token_ids"] == [1, 2] and b["request_id"] == "r"
+    assert (sp["temperature"], sp["max_tokens"], sp["seed"], sp["stop_token_ids"], sp["logprobs"]) == \
+        (0.7, 9, 5, [7], 0)
+    assert request_body("r", [1], sampling, 5, max_tokens=3)["sampling_params"]["max_tokens"] == 3
+    seeds = {sample_seed(100, step, i) for step in range(3) for i in range(64)}
+    assert len(seeds) == 3 * 64 and sample_seed(100, 2, 5) == 100 + 2 * 100003 + 5
