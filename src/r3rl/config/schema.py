@@ -160,7 +160,7 @@ class DataConfig(Frozen):
     num_generated_prompts: int = 512
     prompt_key: str = "prompt"
     label_key: str = "label"
-    format_reward: float = 0.0
+    partial_credit: float = 0.0
     apply_chat_template: bool = True
     max_prompt_length: int = 1024
     shuffle: bool = True

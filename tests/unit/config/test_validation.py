@@ -38,6 +38,8 @@ GPU = "parallelism=disaggregated_4p4"
         (["model=qwen3_30b", "parallelism=cpu"], "parallelism"),
         ([GPU, "parallelism.rollout.num_engines=1", "rollout.engine.url=localhost:8000"], "rollout.engine.url"),
         (["model.moe_topk=9"], "model.moe_topk"),
+        (["rollout.engine.enable_prefix_caching=false"], "rollout.engine.enable_prefix_caching"),
+        (["rollout.sampling.top_p=0.9"], "rollout.sampling.top_p"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from r3rl.data.reward import extract_answer, math_reward
@@ -48,3 +50,14 @@ def test_unclosed_box_falls_back_to_the_last_number():
     assert extract_answer("the answer is \\boxed{12") == "12"
     assert math_reward("the answer is \\boxed{12", "12") == 1.0
     assert math_reward("the answer is \\boxed{\\frac{1}{", "12") == 0.0
+
+
+def test_shaped_reward_gives_graded_partial_credit_below_a_right_answer():
+    from r3rl.data.reward import shaped_math_reward
+
+    assert shaped_math_reward("so \\boxed{12}", "12", 0.1) == 1.0
+    near, far = shaped_math_reward("it is 13", "12", 0.1), shaped_math_reward("it is 90", "12", 0.1)
+    assert 0.1 > near > far > 0.0
+    assert near == pytest.approx(0.1 * math.exp(-1 / 13))
+    assert shaped_math_reward("no number here", "12", 0.1) == 0.0
+    assert shaped_math_reward("it is 13", "12", 0.0) == 0.0

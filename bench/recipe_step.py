@@ -1,0 +1,69 @@
+"""Wall time per GRPO step of the default recipe, split into rollout / log-probs / train / weight sync,
+with R3 and without, side by side in one run on the same machine.
+
+    python bench/recipe_step.py [--steps 3] [overrides ...]
+
+Step 1 of each run is reported apart (first-request warm-up); the table uses the mean of the later steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ lives at the repository root
+
+STAGES = ("rollout", "logprobs", "train", "weight_sync")
+
+
+def run(rollout: str, steps: int, out_dir: str, overrides: list[str]) -> list[dict[str, float]]:
+    from r3rl.config import compose
+    from recipes.grpo import GRPORecipe
+
+    cfg = compose(["parallelism=cpu", f"rollout={rollout}", f"run.num_steps={steps}", f"run.output_dir={out_dir}",
+                   "run.save_every=1000", "logger.wandb.mode=disabled", *overrides])
+    recipe = GRPORecipe(cfg)
+    try:
+        recipe.setup()
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    return recipe.history
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="r3rl-bench-") as tmp:
+        for rollout in ("vllm_r3", "vllm"):
+            results[rollout] = run(rollout, args.steps, f"{tmp}/{rollout}", args.overrides)
+
+    def mean(rollout: str, key: str) -> float:
+        rows = results[rollout][1:] or results[rollout]
+        return statistics.fmean(r[key] for r in rows)
+
+    table = Table(title=f"seconds per step (mean of steps 2..{args.steps})")
+    table.add_column("stage")
+    for col in ("R3 (vllm_r3)", "no R3 (vllm)", "R3 / no R3"):
+        table.add_column(col, justify="right")
+    for stage in STAGES + ("step",):
+        key = "perf/step_time_s" if stage == "step" else f"perf/{stage}_time_s"
+        a, b = mean("vllm_r3", key), mean("vllm", key)
+        table.add_row(stage, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}")
+    console = Console()
+    console.print(table)
+    ratio = mean("vllm_r3", "perf/step_time_s") / mean("vllm", "perf/step_time_s")
+    print(f"r3/no_r3 step time ratio: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training recipes launched by run.py."""

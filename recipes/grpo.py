@@ -1,0 +1,264 @@
+"""GRPO for MoE models with Rollout Routing Replay: the recipe ``python run.py`` launches.
+
+Each step reads top to bottom: generate -> log-probs (with and without replay) -> mismatch metrics -> train ->
+sync weights -> log -> save. The driver process is the controller and holds no GPU; trainer ranks and vLLM engines
+are Ray actors placed by ``r3rl.placement``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from r3rl import checkpoint
+from r3rl import metrics as M
+from r3rl.config.schema import R3RLConfig
+from r3rl.dashboard.local import write_comparison
+from r3rl.data.arithmetic import ensure_prompts
+from r3rl.data.dataset import PromptDataset
+from r3rl.data.reward import shaped_math_reward
+from r3rl.models.tiny_moe import ensure_checkpoint
+from r3rl.orchestration.groups import EngineGroup, TrainerGroup
+from r3rl.orchestration.ray_cluster import start_or_attach
+from r3rl.plan import build_plan
+from r3rl.rollout.client import RolloutClient
+from r3rl.rollout.engine import EngineError
+from r3rl.rollout.store import save_rollout
+from r3rl.rollout.weights import update_weights_from_hf
+from r3rl.sample import Sample, SampleStatus
+from r3rl.tracking.offline_reader import read_runs
+from r3rl.tracking.summary import print_summary
+from r3rl.tracking.wandb_logger import WandbLogger
+from r3rl.train.grpo import group_advantages
+
+console = Console()
+
+
+class StopRequested(Exception):
+    """SIGTERM arrived (Slurm preemption, scancel): checkpoint and leave."""
+
+
+class GRPORecipe:
+    def __init__(self, cfg: R3RLConfig):
+        self.cfg = cfg
+        self.plan = build_plan(cfg)
+        self.run_dir = Path(cfg.run.output_dir).resolve()
+        self.r3 = cfg.rollout.routing_replay
+        self.cluster = self.trainers = self.engines = self.logger = None
+        self.history: list[dict[str, float]] = []
+        self.last_saved = 0
+        self.stop = False
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        # one line per HTTP request drowns the progress bars
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model_dir = ensure_checkpoint(cfg.model)
+        ensure_prompts(cfg.data)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.dataset = PromptDataset(cfg.data, self.tokenizer)
+        resume_from = checkpoint.latest(self.run_dir) if cfg.run.resume else None
+        meta = checkpoint.read_meta(resume_from) if resume_from else None
+        if meta is not None:
+            self.dataset.load_state_dict(meta.data_state)
+        self.start_step = (meta.step if meta else 0) + 1
+
+        self.cluster = start_or_attach(cfg, self.plan)
+        with console.status("starting trainer ranks"):
+            self.trainers = TrainerGroup(cfg, self.plan, loopback=self.cluster.started_here)
+        if resume_from is not None:
+            self.trainers.call("load_checkpoint", resume_from / "trainer")
+            self.last_saved = meta.step
+        with console.status(f"starting {len(self.plan.engines) or 1} vLLM engine(s)"):
+            self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
+        m = cfg.model
+        self.client = RolloutClient(
+            self.engines.urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
+            routing_replay=self.r3, max_concurrency=cfg.rollout.engine.max_concurrency,
+            request_timeout_s=cfg.rollout.engine.request_timeout_s,
+        )
+        if self.plan.attach_url:
+            # launched engines were checked at start; an attached one is checked against this config here
+            self.client.check_engines_sync()
+        self._write_process_table()
+        if meta is not None:  # engines load the HF checkpoint; a resumed policy has moved on from it
+            self.sync_weights(version=meta.step)
+        self.logger = WandbLogger(cfg, self.plan.wandb, self.run_dir, resume_id=meta.wandb_run_id if meta else None)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if meta is not None:
+            console.print(f"resumed from step {meta.step} ({resume_from})")
+
+    def _write_process_table(self) -> None:
+        """What this run started, by PID, so operators and tests can check that all of it is gone afterwards."""
+        table = {
+            "driver_pid": os.getpid(),
+            "ray_temp_dir": str(self.cluster.temp_dir) if self.cluster.temp_dir else None,
+            "trainers": self.trainers.devices,
+            "engines": self.engines.info or [{"url": u, "pid": None} for u in self.engines.urls],
+        }
+        (self.run_dir / "processes.json").write_text(json.dumps(table, indent=2))
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop = True
+        console.print("[yellow]SIGTERM: finishing this step, then checkpointing[/]")
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> None:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        batches = self.dataset.batches(alg.rollout_batch_size)
+        with Progress(TextColumn("[bold]GRPO step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as bar:
+            task = bar.add_task("steps", total=cfg.run.num_steps, completed=self.start_step - 1)
+            for step in range(self.start_step, cfg.run.num_steps + 1):
+                self.train_step(step, next(batches))
+                bar.advance(task)
+                if step % cfg.run.save_every == 0 or step == cfg.run.num_steps or self.stop:
+                    self.save(step)
+                if self.stop:
+                    raise StopRequested(step)
+
+    def train_step(self, step: int, prompts) -> None:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        if dead := self.engines.dead():
+            raise EngineError(f"engine(s) {', '.join(dead)} died before step {step}; see {self.run_dir / 'logs'}")
+
+        # 1. generate
+        t = time.perf_counter()
+        samples = self.generate(step, prompts)
+        timings["rollout"] = time.perf_counter() - t
+        rewards = [shaped_math_reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.label,
+                                      cfg.data.partial_credit)
+                   for s in samples]
+        for s, r in zip(samples, rewards):
+            s.reward = r
+        if cfg.debug.save_rollout:
+            save_rollout(samples, Path(cfg.debug.save_rollout) / f"step_{step:06d}.npz")
+        batch = ray.put(samples)
+
+        # 2. log-probs: with the rollout's routes replayed (R3) and, on the same batch, without
+        t = time.perf_counter()
+        replayed = self.trainers.call("logprobs", batch, replay=self.r3)
+        unreplayed = self.trainers.call("logprobs", batch, replay=False) if self.r3 else replayed
+        timings["logprobs"] = time.perf_counter() - t
+
+        # 3. train
+        advantages = group_advantages(np.asarray(rewards, dtype=np.float64), np.asarray([s.group for s in samples]),
+                                      alg.normalize_advantage_std)
+        t = time.perf_counter()
+        per_token = [np.full(s.response_length, a, dtype=np.float32) for s, a in zip(samples, advantages)]
+        # the replayed log-probs are pi_old: the policy that will be updated, on the rollout's routes
+        train_out = self.trainers.call("train_step", batch, per_token, replay=self.r3,
+                                       old_logprobs=replayed.logprobs)
+        timings["train"] = time.perf_counter() - t
+
+        # 4. sync weights: the engines serve the new policy from the next step on
+        t = time.perf_counter()
+        self.sync_weights(version=step)
+        timings["weight_sync"] = time.perf_counter() - t
+
+        # 5. metrics: mismatch with and without replay on identical data, routing flips, rewards, perf
+        values = M.step_metrics(
+            rollout_logprobs=[s.rollout_logprobs for s in samples],
+            trainer_logprobs=replayed.logprobs,
+            trainer_logprobs_no_replay=unreplayed.logprobs if self.r3 else None,
+            loss_masks=[s.loss_mask for s in samples],
+            rewards=rewards,
+            response_lengths=[s.response_length for s in samples],
+            prompt_lengths=[len(s.prompt_ids) for s in samples],
+            routing_flip_per_layer=unreplayed.flip_per_layer if self.r3 else None,
+            missing_rows=[(s.num_tokens - 1) - (0 if s.routed_experts is None else len(s.routed_experts))
+                          for s in samples] if self.r3 else None,
+            expected_rows=[s.num_tokens - 1 for s in samples] if self.r3 else None,
+            loss=train_out.get("loss"),
+            grad_norm=train_out.get("grad_norm"),
+            timings_s=timings,
+            step_time_s=time.perf_counter() - started,
+        )
+        values.update({f"train/{k}": float(v) for k, v in train_out.items()
+                       if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
+        if self.r3:
+            # proof that Megatron routed exactly as the rollout did, every step
+            values["r3/replayed_routes_equal"] = float(bool(replayed.replayed_routes_match))
+        self.logger.log(values, step=step)
+        self.history.append({"step": step, **values})
+
+    def generate(self, step: int, prompts) -> list[Sample]:
+        cfg = self.cfg
+        samples = asyncio.run(self.client.generate(
+            [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, cfg.rollout.sampling,
+            step=step, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in prompts],
+        ))
+        aborted = [s.index for s in samples if s.status == SampleStatus.ABORTED]
+        if aborted:
+            # an aborted sample has no complete response: training on it would be silently off-policy
+            raise EngineError(f"step {step}: samples {aborted} were aborted by the engine; nothing was trained")
+        return samples
+
+    def sync_weights(self, version: int) -> None:
+        weights_dir = self.run_dir / "weights"
+        exported = Path(self.trainers.call("export_hf", weights_dir))
+        for url in self.engines.urls:
+            update_weights_from_hf(url, exported, version)
+
+    # ------------------------------------------------------------------ save / cleanup
+    def save(self, step: int) -> Path:
+        meta = checkpoint.CheckpointMeta(step=step, wandb_run_id=self.logger.run_id if self.logger else None,
+                                         data_state=self.dataset.state_dict(), weight_version=step)
+        folder = checkpoint.save(self.run_dir, meta, lambda d: self.trainers.call("save_checkpoint", d / "trainer", {}))
+        self.last_saved = step
+        return folder
+
+    def cleanup(self) -> None:
+        for part in (self.engines, self.trainers):
+            if part is not None:
+                part.shutdown()
+        if self.logger is not None:
+            self.logger.finish()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+
+
+def run_recipe(cfg: R3RLConfig) -> None:
+    recipe = GRPORecipe(cfg)
+    code = 0
+    try:
+        recipe.setup()
+        recipe.train()
+    except StopRequested as stop:
+        console.print(f"[yellow]stopped by SIGTERM after step {stop.args[0]}; checkpoint "
+                      f"{checkpoint.latest(recipe.run_dir)}. Run the same command to resume.[/]")
+        code = 143
+    except EngineError as err:
+        console.print(f"[red]error: {err}[/]")
+        console.print(f"last checkpoint: {checkpoint.latest(recipe.run_dir) or 'none'}; engine logs: "
+                      f"{recipe.run_dir / 'logs'}")
+        code = 1
+    finally:
+        recipe.cleanup()
+    if recipe.history:
+        print_summary(recipe.history, console=Console(width=160))
+    console.print(f"run folder: {recipe.run_dir}")
+    if recipe.plan.wandb.mode != "disabled" and recipe.history:
+        png, html = write_comparison(read_runs(recipe.run_dir), recipe.run_dir / "plots")
+        console.print(f"W&B files: {recipe.run_dir / 'wandb'}\nplots: {png} and {html}\n"
+                      f"compare with another run: python -m r3rl.dashboard --runs {recipe.run_dir} <other run folder> "
+                      f"--out <folder>")
+    if code:
+        sys.exit(code)

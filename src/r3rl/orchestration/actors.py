@@ -1,0 +1,85 @@
+"""Ray actors: one per trainer rank (a Megatron process) and one per vLLM engine (it owns the server process)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from r3rl.config.schema import R3RLConfig
+from r3rl.plan import EngineLaunch
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@ray.remote
+class TrainerActor:
+    """One Megatron rank. Ray sets CUDA_VISIBLE_DEVICES to its GPU, so every rank sees exactly one device."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size, self.trainer = rank, world_size, None
+
+    def address(self, loopback: bool) -> tuple[str, int]:
+        """Rendezvous address for torch.distributed: loopback on a one-node local cluster, else this node's IP."""
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        return host, _free_port(host)
+
+    def devices(self) -> dict[str, Any]:
+        return {"rank": self.rank, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
+
+    def setup(self, cfg: R3RLConfig, master_addr: str, master_port: int) -> None:
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from r3rl.train.trainer import MegatronTrainer
+
+        self.trainer = MegatronTrainer(cfg)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.trainer, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+            self.trainer = None
+
+
+@ray.remote
+class EngineHost:
+    """Holds an engine's GPUs and runs its vLLM server as a child process group, stopped by PID."""
+
+    def __init__(self) -> None:
+        self.engine = None
+
+    def devices(self) -> dict[str, Any]:
+        return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
+
+    def start(self, launch: EngineLaunch, log_dir: str, startup_timeout_s: float,
+              cuda_visible_devices: str | None) -> dict[str, Any]:
+        from r3rl.rollout.engine import VLLMEngine
+
+        env = dict(launch.env)
+        if cuda_visible_devices is not None:
+            # the GPUs Ray actually gave this engine (or, colocated, the ones its trainer ranks hold)
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        else:
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        self.engine = VLLMEngine.launch(dataclasses.replace(launch, env=env), Path(log_dir), startup_timeout_s)
+        return {"url": self.engine.url, "pid": self.engine.pid, "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES")}
+
+    def alive(self) -> bool:
+        return self.engine is not None and self.engine.is_alive()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

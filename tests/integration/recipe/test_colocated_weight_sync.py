@@ -1,0 +1,57 @@
+"""Colocated placement on one logical GPU, and the engine serving the trainer's weights after a step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from r3rl.config.schema import SamplingConfig
+
+from .conftest import assert_nothing_left
+
+pytestmark = pytest.mark.integration
+
+
+def hf_logprobs(model_dir, tokens: np.ndarray, prompt_len: int) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.as_tensor(tokens[None], dtype=torch.long)).logits[0].double()
+    lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.as_tensor(tokens[1:, None], dtype=torch.long))[:, 0]
+    return lp[prompt_len - 1:].numpy()
+
+
+def test_colocated_engine_serves_the_trainers_weights_after_a_step(tmp_path, compose_cfg, tiny_model_dir):
+    from recipes.grpo import GRPORecipe
+
+    cfg = compose_cfg("parallelism=cpu", "parallelism.colocated=true", "parallelism.gpus_per_node=1",
+                      f"run.output_dir={tmp_path}", "run.num_steps=1", "rollout.engine.dtype=float32",
+                      "logger.wandb.mode=disabled",
+                      # a large step so one update visibly moves the log-probs
+                      "trainer.lr=0.01")
+    recipe = GRPORecipe(cfg)
+    try:
+        recipe.setup()
+        import ray
+
+        # trainer and engine fit only because they share the cluster's single (logical) GPU
+        assert ray.cluster_resources()["GPU"] == 1
+        prompts = next(recipe.dataset.batches(cfg.algorithm.rollout_batch_size))
+        recipe.train_step(1, prompts)
+        assert recipe.history[0]["train/grad_norm"] > 0, "the step must change the policy for this test to mean much"
+
+        greedy = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=8, seed=7)
+        (probe, _) = asyncio.run(recipe.client.generate([list(map(int, prompts[0].prompt_ids))], 2, greedy, step=99))
+        trainer = recipe.trainers.call("logprobs", [probe], replay=True).logprobs[0]
+        # float32 engine and float32 trainer on the same weights and routes agree to float32 noise
+        np.testing.assert_allclose(probe.rollout_logprobs, trainer, atol=1e-4)
+        # ... and those are not the weights the engine started from
+        before = hf_logprobs(tiny_model_dir, probe.tokens, len(probe.prompt_ids))
+        assert np.max(np.abs(before - probe.rollout_logprobs)) > 1e-3
+    finally:
+        recipe.cleanup()
+    assert_nothing_left(tmp_path)

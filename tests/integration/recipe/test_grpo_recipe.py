@@ -1,0 +1,94 @@
+"""The end-to-end recipe on real components: metrics in W&B, R3's effect, resume, faults, cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from r3rl import checkpoint
+from r3rl import metrics as M
+
+from .conftest import (assert_nothing_left, pid_alive, run_recipe, start_recipe, wait_for, wandb_runs)
+
+pytestmark = pytest.mark.integration
+
+EVERY_STEP = [M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.TOKEN_MULT_PROB_ERROR, M.K3_KL,
+              M.ROUTING_FLIP_RATE, M.MISSING_ROUTE_FRACTION, M.REWARD_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS,
+              M.GRAD_NORM, M.PERF_TOKENS_PER_S] + [M.perf_time_key(s) for s in M.PERF_STAGES]
+
+
+def test_default_recipe_logs_every_metric_every_step(r3_run):
+    (run,) = wandb_runs(r3_run)
+    steps = {row["_step"]: row for row in run.history}
+    assert sorted(steps) == [1, 2]
+    for step, row in steps.items():
+        missing = [k for k in EVERY_STEP + [M.flip_rate_key(layer) for layer in range(4)] if k not in row]
+        assert not missing, f"step {step} lacks {missing}"
+        assert row[M.MISSING_ROUTE_FRACTION] == 0.0
+    assert "r3:on" in run.tags and run.group == "tiny_moe-cpu"
+
+
+def test_replay_lowers_the_mismatch_on_the_same_batches(r3_run):
+    (run,) = wandb_runs(r3_run)
+    with_replay = np.mean([row[M.LOGPROB_ABS_DIFF] for row in run.history])
+    without = np.mean([row[M.LOGPROB_ABS_DIFF_NO_REPLAY] for row in run.history])
+    assert with_replay < without, (with_replay, without)
+    # the replayed routes are the rollout's, bit for bit
+    assert all(row["r3/replayed_routes_equal"] == 1.0 for row in run.history)
+    # without replay the trainer's router disagrees somewhere (bf16 engine vs fp32 trainer)
+    assert max(row[M.ROUTING_FLIP_RATE] for row in run.history) > 0
+
+
+def test_run_leaves_checkpoint_and_nothing_running(r3_run):
+    meta = checkpoint.read_meta(checkpoint.latest(r3_run))
+    assert meta.step == 2 and meta.wandb_run_id
+    assert_nothing_left(r3_run)
+
+
+def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "preempted"
+    proc = start_recipe(run_dir, "run.num_steps=3", "run.save_every=1")
+    try:
+        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 143
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped_at = checkpoint.read_meta(checkpoint.latest(run_dir)).step
+    assert 1 <= stopped_at < 3
+    assert_nothing_left(run_dir)
+
+    out = run_recipe(run_dir, "run.num_steps=3", "run.save_every=1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"resumed from step {stopped_at}" in out.stdout
+    runs = wandb_runs(run_dir)
+    assert len({r.run_id for r in runs}) == 1, "the resumed job must continue the same W&B run"
+    steps = sorted(row["_step"] for r in runs for row in r.history)
+    assert steps == [1, 2, 3], "each step logged once, across the two jobs"
+    assert_nothing_left(run_dir)
+
+
+def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "dead_engine"
+    proc = start_recipe(run_dir, "run.num_steps=4", "run.save_every=1")
+    try:
+        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
+        engine = json.loads((run_dir / "processes.json").read_text())["engines"][0]
+        # a real fault: the vLLM server's whole process group is killed under the running recipe
+        os.killpg(engine["pid"], signal.SIGKILL)
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (run_dir / "driver.log").read_text()
+    assert code == 1, log[-3000:]
+    assert engine["url"] in log and "error" in log.lower()
+    assert checkpoint.read_meta(checkpoint.latest(run_dir)).step >= 1
+    assert not pid_alive(engine["pid"])
+    assert_nothing_left(run_dir)
