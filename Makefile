@@ -1,4 +1,4 @@
-# make run   -> creates .venv (once) and prints the default launch plan (ARGS="..." adds Hydra overrides)
+# make run   -> creates .venv (once) and runs the default recipe: tiny MoE, GRPO with R3 (ARGS="..." adds overrides)
 # make test  -> creates .venv (once) and runs the test suite
 # make venv  -> only the environment; PROFILE=cpu|gpu overrides the detection
 
@@ -28,7 +28,7 @@ endif
 	touch $@
 
 run: venv
-	$(VENV)/bin/python run.py run.dry_run=true $(ARGS)
+	$(VENV)/bin/python run.py $(ARGS)
 
 test: venv
 	$(VENV)/bin/python -m pytest $(TEST_ARGS)

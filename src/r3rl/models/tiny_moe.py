@@ -1,7 +1,7 @@
 """A random Qwen3-MoE and a byte-level BPE tokenizer made locally, so CPU runs and tests need no model hub.
 
 Generation is deterministic (fixed seeds, fixed corpus): the same config gives the same files on every machine.
-Files are written to a temporary folder and renamed into place, so a crash never leaves half a checkpoint.
+A crash never leaves half a checkpoint (``atomic_folder``).
 """
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from r3rl.config.schema import ModelConfig
+from r3rl.fsutil import atomic_folder
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -113,18 +112,10 @@ def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
     hf_config = build_hf_config(model, eos, pad)
     torch.manual_seed(model.init_seed)
     net = Qwen3MoeForCausalLM(hf_config).to(torch.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         net.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(_fingerprint(model), sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from r3rl.config.schema import ModelConfig
+from r3rl.fsutil import atomic_folder
 
 
 @dataclass(frozen=True)
@@ -330,9 +330,7 @@ def save_hf(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, source
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name in sorted(tensors):
@@ -358,10 +356,4 @@ def save_hf(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, source
         for name in TOKENIZER_AND_CONFIG:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out

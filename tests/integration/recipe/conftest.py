@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,8 +16,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 
+def free_port() -> int:
+    """An unused loopback port, so a test's engine never meets another run's server on the default port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def recipe_cmd(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}", *overrides]
+    return [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}",
+            f"rollout.engine.base_port={free_port()}", *overrides]
 
 
 def run_recipe(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
