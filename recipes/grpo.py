@@ -57,12 +57,13 @@ class GRPORecipe:
         self.r3 = cfg.rollout.routing_replay
         self.cluster = self.trainers = self.engines = self.logger = None
         self.history: list[dict[str, float]] = []
-        self.last_saved = 0
         self.stop = False
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
+        # from here on SIGTERM (Slurm preemption, scancel) ends the run at the next step boundary with a checkpoint
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         # one line per HTTP request drowns the progress bars
         logging.getLogger("httpx").setLevel(logging.WARNING)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +84,6 @@ class GRPORecipe:
             self.trainers = TrainerGroup(cfg, self.plan, loopback=self.cluster.started_here)
         if resume_from is not None:
             self.trainers.call("load_checkpoint", resume_from / "trainer")
-            self.last_saved = meta.step
         with console.status(f"starting {len(self.plan.engines) or 1} vLLM engine(s)"):
             self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
         m = cfg.model
@@ -99,7 +99,6 @@ class GRPORecipe:
         if meta is not None:  # engines load the HF checkpoint; a resumed policy has moved on from it
             self.sync_weights(version=meta.step)
         self.logger = WandbLogger(cfg, self.plan.wandb, self.run_dir, resume_id=meta.wandb_run_id if meta else None)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
         if meta is not None:
             console.print(f"resumed from step {meta.step} ({resume_from})")
 
@@ -115,16 +114,19 @@ class GRPORecipe:
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop = True
+        # a rollout in flight completes first (Slurm's --signal=B:TERM@120 leaves time for one step)
         console.print("[yellow]SIGTERM: finishing this step, then checkpointing[/]")
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
-        cfg, alg = self.cfg, self.cfg.algorithm
-        batches = self.dataset.batches(alg.rollout_batch_size)
+        cfg = self.cfg
+        batches = self.dataset.batches(cfg.algorithm.rollout_batch_size)
         with Progress(TextColumn("[bold]GRPO step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
             task = bar.add_task("steps", total=cfg.run.num_steps, completed=self.start_step - 1)
             for step in range(self.start_step, cfg.run.num_steps + 1):
+                if self.stop:  # arrived during setup: nothing new to save
+                    raise StopRequested(step - 1)
                 self.train_step(step, next(batches))
                 bar.advance(task)
                 if step % cfg.run.save_every == 0 or step == cfg.run.num_steps or self.stop:
@@ -222,7 +224,6 @@ class GRPORecipe:
         meta = checkpoint.CheckpointMeta(step=step, wandb_run_id=self.logger.run_id if self.logger else None,
                                          data_state=self.dataset.state_dict(), weight_version=step)
         folder = checkpoint.save(self.run_dir, meta, lambda d: self.trainers.call("save_checkpoint", d / "trainer", {}))
-        self.last_saved = step
         return folder
 
     def cleanup(self) -> None:
