@@ -99,6 +99,8 @@ class GRPORecipe:
         if meta is not None:  # engines load the HF checkpoint; a resumed policy has moved on from it
             self.sync_weights(version=meta.step)
         self.logger = WandbLogger(cfg, self.plan.wandb, self.run_dir, resume_id=meta.wandb_run_id if meta else None)
+        # again: ray.init installs its own SIGTERM handler in the driver (it aborts the process)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         if meta is not None:
             console.print(f"resumed from step {meta.step} ({resume_from})")
 

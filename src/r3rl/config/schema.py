@@ -38,6 +38,7 @@ class ModelConfig(Frozen):
     checkpoint: str = MISSING
     generate_if_missing: bool = False
     init_seed: int = 0
+    init_std: float = 0.02
     num_layers: int = MISSING
     hidden_size: int = MISSING
     num_attention_heads: int = MISSING

@@ -68,6 +68,7 @@ def validate(cfg: R3RLConfig) -> None:
                       par.trainer.expert_parallel, par.trainer.context_parallel)
 
     # model
+    check(m.init_std > 0, "model.init_std", f"must be > 0, got {m.init_std}")
     check(m.num_experts >= 1, "model.num_experts", f"must be >= 1, got {m.num_experts}")
     check(1 <= m.moe_topk <= m.num_experts, "model.moe_topk",
           f"must be in [1, model.num_experts={m.num_experts}], got {m.moe_topk}")

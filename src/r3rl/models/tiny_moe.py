@@ -89,6 +89,7 @@ def build_hf_config(model: ModelConfig, eos_token_id: int, pad_token_id: int):
         bos_token_id=None,
         router_aux_loss_coef=0.0,
         torch_dtype="float32",
+        initializer_range=model.init_std,
     )
 
 
