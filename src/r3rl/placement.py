@@ -45,12 +45,6 @@ class Placement:
             return [{"GPU": 1.0, "CPU": self.cpus_per_bundle} for _ in self.trainer]
         return [{"GPU": float(len(e.gpus)), "CPU": self.cpus_per_bundle} for e in self.engines]
 
-    def bundle_nodes(self, role: str) -> list[int]:
-        """Node index of each bundle of ``role``, in the order of ``bundles``."""
-        if role == "trainer":
-            return [gpu.node for gpu in self.trainer]
-        return [e.node for e in self.engines]
-
     def gpus_of(self, role: str) -> list[GPU]:
         if role == "trainer":
             return list(self.trainer)

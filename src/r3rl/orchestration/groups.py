@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +123,3 @@ class EngineGroup:
         if self.pg is not None:
             remove_placement_group(self.pg)
 
-
-def timed(fn, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - start
