@@ -13,7 +13,6 @@ The last line: ``r3/no_r3 throughput ratio: X``.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import tempfile
 import time
@@ -24,15 +23,10 @@ import numpy as np
 from r3rl.config import compose
 from r3rl.config.schema import SamplingConfig
 from r3rl.models.tiny_moe import ensure_checkpoint
+from r3rl.net import free_port
 from r3rl.plan import build_plan
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import VLLMEngine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(rollout: str, overrides: list[str], prompts: list[list[int]], sampling: SamplingConfig,

@@ -86,12 +86,7 @@ class GRPORecipe:
             self.trainers.call("load_checkpoint", resume_from / "trainer")
         with console.status(f"starting {len(self.plan.engines) or 1} vLLM engine(s)"):
             self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
-        m = cfg.model
-        self.client = RolloutClient(
-            self.engines.urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
-            routing_replay=self.r3, max_concurrency=cfg.rollout.engine.max_concurrency,
-            request_timeout_s=cfg.rollout.engine.request_timeout_s,
-        )
+        self.client = RolloutClient.from_config(cfg, self.engines.urls)
         if self.plan.attach_url:
             # launched engines were checked at start; an attached one is checked against this config here
             self.client.check_engines_sync()

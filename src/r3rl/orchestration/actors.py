@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from r3rl.config.schema import R3RLConfig
+from r3rl.net import free_port
 from r3rl.plan import EngineLaunch
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @ray.remote
@@ -30,7 +24,7 @@ class TrainerActor:
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rendezvous address for torch.distributed: loopback on a one-node local cluster, else this node's IP."""
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return host, _free_port(host)
+        return host, free_port(host)
 
     def devices(self) -> dict[str, Any]:
         return {"rank": self.rank, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],

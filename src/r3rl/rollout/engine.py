@@ -27,7 +27,7 @@ from r3rl.plan import EngineLaunch
 from r3rl.rollout import _proctree
 from r3rl.rollout.errors import EngineError
 
-__all__ = ["EngineError", "VLLMEngine", "start_engines", "stop_engines"]
+__all__ = ["EngineError", "VLLMEngine"]
 
 LOG_TAIL_LINES = 60
 
@@ -125,7 +125,7 @@ class VLLMEngine:
 
     @classmethod
     def spawn(cls, launch: EngineLaunch, log_dir: Path, *, die_with_parent: bool | None = None) -> VLLMEngine:
-        """Start the server process without waiting (``start_engines`` starts all engines, then waits)."""
+        """Start the server process without waiting for it (``launch`` waits and checks)."""
         if _port_answers(launch.host, launch.port):
             raise EngineError(f"engine {launch.index}: port {launch.port} on {launch.host} is already in use; "
                               "another server there would answer our health checks", url=launch.url)
@@ -275,26 +275,3 @@ def _signal_group(pgid: int, sig: int) -> None:
     except (ProcessLookupError, PermissionError):
         pass
 
-
-def start_engines(launches: Sequence[EngineLaunch], log_dir: Path, startup_timeout_s: float, *,
-                  attach_url: str | None = None) -> list[VLLMEngine]:
-    """Every engine of a plan (``plan.engines``), or the attached one; a failure stops the ones already started."""
-    if attach_url is not None:
-        return [VLLMEngine.attach(attach_url)]
-    engines: list[VLLMEngine] = []
-    try:
-        # start all, then wait: engines load their weights in parallel
-        for launch in launches:
-            engines.append(VLLMEngine.spawn(launch, log_dir))
-        for engine, launch in zip(engines, launches):
-            engine.wait_healthy(startup_timeout_s)
-            engine.check(launch.argv)
-    except BaseException:
-        stop_engines(engines)
-        raise
-    return engines
-
-
-def stop_engines(engines: Sequence[VLLMEngine]) -> None:
-    for engine in engines:
-        engine.shutdown()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 
+from r3rl.net import free_port
 from r3rl.train import cpu_compat
 
 
@@ -38,12 +38,6 @@ class RankInfo:
 _USERS = 0
 _LAYOUT: Layout | None = None
 _OWNS_PROCESS_GROUP = False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _device() -> torch.device:

@@ -440,11 +440,6 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    def hf_tensors(self) -> dict[str, torch.Tensor] | None:
-        """The current weights as full HF-named CPU tensors on global rank 0 (None elsewhere), for an in-memory
-        weight update of the engines. Collective."""
-        return convert.gather_hf(self.bare, self.attention)
-
     def export_hf(self, out_dir: str | Path) -> Path:
         """Write the current weights as an HF checkpoint (safetensors + config + tokenizer). Collective."""
         tensors = convert.gather_hf(self.bare, self.attention)

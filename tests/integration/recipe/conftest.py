@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from r3rl.net import free_port
+
 REPO = Path(__file__).resolve().parents[3]
-
-
-def free_port() -> int:
-    """An unused loopback port, so a test's engine never meets another run's server on the default port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def recipe_cmd(run_dir: Path, *overrides: str) -> list[str]:

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import numpy as np
 
-
-def free_port() -> int:
-    """A port nothing listens on now (bound and released on 127.0.0.1; the server binds it moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from r3rl.net import free_port
 
 
 def engine_cfg(*overrides: str):

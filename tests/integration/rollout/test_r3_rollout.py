@@ -176,14 +176,14 @@ def test_check_engine_command(r3_engine):
     assert "expected (6, 2), got (4, 2)" in bad.stderr
 
 
-def test_attach_mode_uses_running_server_and_never_stops_it(r3_engine, r3_cfg, compose_cfg):
+def test_attach_mode_uses_running_server_and_never_stops_it(r3_engine, compose_cfg):
     from r3rl.plan import build_plan
-    from r3rl.rollout.engine import VLLMEngine, start_engines
+    from r3rl.rollout.engine import VLLMEngine
 
     cfg = compose_cfg("model=tiny_moe", "parallelism=cpu", f"rollout.engine.url={r3_engine.url}")
     plan = build_plan(cfg)
     assert plan.engines == () and plan.attach_url == r3_engine.url
-    (attached,) = start_engines(plan.engines, r3_cfg.run.output_dir, 30, attach_url=plan.attach_url)
+    attached = VLLMEngine.attach(plan.attach_url)
     assert attached.pid is None and attached.is_alive() and attached.url == r3_engine.url
     attached.shutdown()
     assert r3_engine.is_alive() and VLLMEngine.attach(r3_engine.url).is_alive()

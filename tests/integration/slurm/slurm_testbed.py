@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from r3rl.net import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 SLURM_PACKAGE = "slurm-wlm"
 # Slurm 22.05 keeps finished jobs visible to `scontrol show job` for MinJobAge seconds; the tests read the final
@@ -35,12 +37,6 @@ FINISHED_STATES = {
 
 class TestbedError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_slurm_installed() -> None:

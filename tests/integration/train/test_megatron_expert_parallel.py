@@ -13,7 +13,7 @@ import numpy as np
 
 from megatron_ep_worker import run
 from megatron_helpers import build_samples, random_routes, with_routes
-from r3rl.train.distributed import free_port
+from r3rl.net import free_port
 from r3rl.train.grpo import group_advantages
 
 WORKER = Path(__file__).with_name("megatron_ep_worker.py")

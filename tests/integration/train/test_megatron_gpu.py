@@ -28,7 +28,7 @@ def gpu_overrides(world: int, *extra: str) -> list[str]:
 
 
 def run_ranks(world: int, overrides: list[str], samples, adv, tmp: Path) -> dict:
-    from r3rl.train.distributed import free_port
+    from r3rl.net import free_port
 
     src, dst = tmp / "in.pkl", tmp / "out.pkl"
     src.write_bytes(pickle.dumps((samples, adv)))

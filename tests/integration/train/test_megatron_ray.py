@@ -52,7 +52,7 @@ class Rank:
 
 
 def test_expert_parallel_trainer_in_two_ray_actors(local_ray, tiny_model_dir):
-    from r3rl.train.distributed import free_port
+    from r3rl.net import free_port
 
     samples = build_samples(8, 41)
     with_routes(samples, random_routes(samples, 4, 2, 8, seed=41))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import typing
 from dataclasses import fields, is_dataclass
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
