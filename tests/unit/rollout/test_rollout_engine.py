@@ -36,7 +36,7 @@ def test_non_r3_engine_keeps_the_configured_prefix_caching(compose_cfg):
 def test_cpu_profile_never_on_a_gpu_parallelism(compose_cfg):
     plan = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4", "rollout=vllm_r3"))
     for engine in plan.engines:
-        assert "TRITON_INTERPRET" not in engine.env and "VLLM_USE_V2_MODEL_RUNNER" not in engine.env
+        assert "TRITON_INTERPRET" not in engine.env and engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
         assert engine.env["CUDA_VISIBLE_DEVICES"]
 
 
