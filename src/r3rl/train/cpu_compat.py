@@ -1,7 +1,7 @@
 """Everything Megatron-core 0.16 needs to train on a machine without a GPU, in one place.
 
 Megatron assumes CUDA in a handful of spots: ``torch.cuda.current_device()`` as the device of new tensors (rotary,
-router, DDP buffers), ``torch.cuda.current_stream()`` (0.19 asks for it on every gradient sync), the CUDA RNG tracker (attention always forks it, activation recompute saves and restores it),
+router, DDP buffers), the CUDA RNG tracker (attention always forks it, activation recompute saves and restores it),
 ``te_general_gemm`` referenced without TransformerEngine, ``get_default_causal_mask`` allocating on ``cuda``, the
 alltoall dispatcher's CUDA streams, and an optimizer/grad-norm stack that allocates on ``cuda``. ``apply_if_needed``
 points the first three at the CPU and is a no-op when CUDA is available; the rest are settings
@@ -66,8 +66,8 @@ def _cpu_device() -> torch.device:
 
 
 class CpuStream:
-    """What ``torch.cuda.current_stream()`` returns on a CPU: CPU ops run in program order, so every wait Megatron
-    asks for between streams is already satisfied."""
+    """What ``torch.cuda.current_stream()`` returns on a CPU (Megatron-core 0.19 asks for it on every gradient sync):
+    CPU ops run in program order, so every wait Megatron asks for between streams is already satisfied."""
 
     def wait_event(self, event: Any) -> None:
         pass
