@@ -17,7 +17,7 @@ PY="${PYTHON:-python3}"
 WHEELS=scripts/gpu_check_wheels
 # the versions pyproject's trainer extra and base dependencies resolve to; antlr 4.9.3 (hydra's pin) is an sdist only
 MEGATRON=megatron-core==0.19.2
-CONFIG_STACK=(hydra-core==1.3.2 omegaconf==2.3.0)
+CONFIG_STACK=(hydra-core==1.3.8 omegaconf==2.3.1)
 ANTLR=antlr4-python3-runtime==4.9.3
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
