@@ -23,5 +23,6 @@ for py in "${candidates[@]}"; do
   fi
 done
 echo "find_python.sh: no working Python $want found (tried python$want on PATH, pyenv's versions/$want*," \
-     "/usr/local/bin, /usr/bin); install it (e.g. 'pyenv install $want') or name one with make PYTHON_TRAINER=/path/to/python$want" >&2
+     "/usr/local/bin, /usr/bin); install it (e.g. 'pyenv install $want')" \
+     "or name one with make PYTHON_TRAINER=/path/to/python$want" >&2
 exit 1

@@ -52,8 +52,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 PYTHONWARNINGS=ignore "$PY" - 2>/dev/null <<'EOF'
 import sys, torch, megatron.core, hydra, omegaconf, transformers
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible"
-print(f"gpu_check: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {megatron.core.__version__},"
-      f" hydra-core {hydra.__version__}, omegaconf {omegaconf.__version__}, transformers {transformers.__version__};"
+print(f"gpu_check: Python {sys.version.split()[0]}, torch {torch.__version__},"
+      f" megatron-core {megatron.core.__version__}, hydra-core {hydra.__version__}, omegaconf {omegaconf.__version__}, transformers {transformers.__version__};"
       f" CUDA GPU: {gpu}")
 EOF
 

