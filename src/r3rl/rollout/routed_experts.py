@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import tokenize
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,7 +84,8 @@ def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
             shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(head, max_header_size=_MAX_HEADER_BYTES)
         else:
             raise ValueError(f"unsupported .npy version {version}")
-    except ValueError as err:
+    except (ValueError, tokenize.TokenError) as err:
+        # numpy re-tokenizes a header it cannot parse; on Python 3.12 a broken one raises TokenError there
         raise fail("payload has a malformed .npy header", hint=str(err)) from None
     if dtype.hasobject:
         raise fail("payload holds Python objects (refused: it would need unpickling)", "an integer dtype", str(dtype))

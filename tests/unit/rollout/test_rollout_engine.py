@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import shlex
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
 from r3rl.config.schema import SamplingConfig
 from r3rl.plan import build_plan
 from r3rl.rollout.client import RolloutClient
-from r3rl.rollout.engine import EngineError, VLLMEngine
+from r3rl.rollout.engine import EngineError, VLLMEngine, local_command
 
 
 def test_r3_engine_argv_has_what_routed_experts_need(compose_cfg):
@@ -36,8 +38,17 @@ def test_non_r3_engine_keeps_the_configured_prefix_caching(compose_cfg):
 def test_cpu_profile_never_on_a_gpu_parallelism(compose_cfg):
     plan = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4", "rollout=vllm_r3"))
     for engine in plan.engines:
-        assert "TRITON_INTERPRET" not in engine.env and "VLLM_USE_V2_MODEL_RUNNER" not in engine.env
+        assert "TRITON_INTERPRET" not in engine.env and engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
         assert engine.env["CUDA_VISIBLE_DEVICES"]
+
+
+def test_engine_commands_run_from_this_environment(compose_cfg):
+    (cpu,) = build_plan(compose_cfg("model=tiny_moe", "parallelism=cpu")).engines
+    (gpu,) = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4")).engines
+    assert local_command(cpu.argv)[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    own = Path(sys.executable).parent / "vllm"
+    assert local_command(gpu.argv)[:2] == [str(own) if own.exists() else "vllm", "serve"]
+    assert local_command(gpu.argv)[2:] == list(gpu.argv[2:])
 
 
 def test_launch_refuses_a_port_someone_listens_on(compose_cfg, tmp_path):

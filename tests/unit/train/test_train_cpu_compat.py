@@ -18,7 +18,7 @@ CUDA_PRESENT = textwrap.dedent("""
     import torch
     # Without a GPU (CI) CUDA cannot really be made available; only this report is faked (a no-op on a GPU host).
     torch.cuda.is_available = lambda: True
-    original_device = torch.cuda.current_device
+    original_device, original_stream = torch.cuda.current_device, torch.cuda.current_stream
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.fusions import fused_softmax
     before = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, fused_softmax.get_default_causal_mask,
@@ -26,7 +26,7 @@ CUDA_PRESENT = textwrap.dedent("""
     from r3rl.train import cpu_compat
     assert cpu_compat.apply_if_needed() is False
     assert not cpu_compat.is_active()
-    assert torch.cuda.current_device is original_device
+    assert torch.cuda.current_device is original_device and torch.cuda.current_stream is original_stream
     after = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, fused_softmax.get_default_causal_mask,
              mrandom._CUDA_RNG_STATE_TRACKER)
     assert all(a is b for a, b in zip(before, after)), "Megatron was patched although CUDA is available"
@@ -50,6 +50,7 @@ def test_compat_applies_without_a_gpu():
     from megatron.core.tensor_parallel import random as mrandom
 
     assert torch.cuda.current_device() == torch.device("cpu")
+    assert isinstance(torch.cuda.current_stream(), cpu_compat.CpuStream)
     assert isinstance(mrandom.get_cuda_rng_tracker(), cpu_compat.CpuRNGStatesTracker)
     mask = cpu_compat.attention_mask(3, torch.device("cpu"))
     assert mask.shape == (1, 1, 3, 3) and mask[0, 0].tolist() == [[False, True, True], [False, False, True],
