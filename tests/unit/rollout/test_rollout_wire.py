@@ -75,6 +75,23 @@ def test_logprobs_must_cover_every_response_token():
         parse(body(logprobs=[{"token_id": 5, "logprob": -1.0}]))
 
 
+@pytest.mark.parametrize("entry,what", [
+    ({"token_id": 6}, "missing"),
+    ({"token_id": 6, "logprob": None}, "null"),
+    ({"token_id": 6, "logprob": float("nan")}, "nan"),
+    ({"token_id": 6, "logprob": float("-inf")}, "-inf"),
+    ({"token_id": 6, "logprob": "-0.5"}, "'-0.5' (str)"),
+    (None, "missing"),
+])
+def test_a_logprob_that_is_not_a_finite_number_is_an_engine_error_naming_sample_and_token(entry, what):
+    content = [{"token_id": 5, "logprob": -0.5}, entry]
+    with pytest.raises(EngineError) as info:
+        parse(body(logprobs=content))
+    text = str(info.value)
+    assert "sample 3 (request rid-3)" in text and "http://e:1" in text, text
+    assert f"log-prob of response token 1 is {what}; expected a finite number" in text, text
+
+
 def test_default_weight_version_is_none():
     assert parse(body(versions=[{"version": "default", "start": 0, "end": 2}])).weight_version is None
 
