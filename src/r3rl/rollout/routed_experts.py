@@ -1,7 +1,7 @@
 """Routed experts on the wire (base64 of a ``.npy``) -> validated ``uint8/uint16 [T-1, L, K]`` arrays.
 
-The contract (docs: r3-contract.md §1): an engine returns one row per token it forwarded, i.e. ``len(tokens) - 1``
-rows; exactly one surplus row (some builds route the last token too) is dropped, anything else is an error. The
+The contract (docs: r3-contract.md §1): an engine returns one row per token it forwarded, i.e. exactly
+``len(tokens) - 1`` rows (vLLM documents and cuts there); any other count is an error, a surplus row included. The
 payload is never unpickled and never widened: the array returned is a zero-copy view of the decoded bytes when the
 wire dtype is already the narrow dtype of ``num_experts`` (read-only, like everything the engine reported).
 
@@ -100,11 +100,10 @@ def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
 
 def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_index: int | None = None,
                  request_id: str | None = None) -> np.ndarray:
-    """Validate a decoded ``[rows, L, K]`` array against a sample of ``num_tokens`` tokens; returns the narrow,
-    row-trimmed array (one surplus row dropped).
+    """Validate a decoded ``[rows, L, K]`` array against a sample of ``num_tokens`` tokens; returns it narrow.
 
-    Checks, in the order that gives the most telling message first: integer dtype, 3 dims, rows == T-1 (T
-    tolerated), (L, K), no MoE layer all zero (K > 1), ids < E, K distinct ids per row.
+    Checks, in the order that gives the most telling message first: integer dtype, 3 dims, rows == T-1, (L, K),
+    no MoE layer all zero (K > 1), ids < E, K distinct ids per row.
     """
 
     def fail(what: str, expected: object = None, got: object = None, hint: str | None = None) -> RoutedExpertsError:
@@ -116,12 +115,10 @@ def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_in
         raise fail("have the wrong number of dimensions", "3 (tokens-1, layers, top-k)", f"{arr.ndim} {arr.shape}")
     rows, layers, topk = arr.shape
     expected_rows = num_tokens - 1
-    if rows == expected_rows + 1:
-        # some builds also report the last sampled token's route; no router ran on it for training purposes
-        arr = arr[:expected_rows]
-    elif rows != expected_rows:
-        raise fail("cover the wrong number of tokens", f"{expected_rows} rows (len(tokens) - 1 = {num_tokens} - 1, "
-                   "or one surplus row)", f"{rows} rows", hint="engine/client token bookkeeping disagree")
+    if rows != expected_rows:
+        # a surplus row is refused too: at the front it would shift every row by one token and still fit
+        raise fail("cover the wrong number of tokens", f"{expected_rows} rows (len(tokens) - 1 = {num_tokens} - 1)",
+                   f"{rows} rows", hint="engine/client token bookkeeping disagree")
     if (layers, topk) != (spec.num_layers, spec.topk):
         raise fail("have the wrong (layers, top-k)", (spec.num_layers, spec.topk), (layers, topk),
                    hint="is the engine serving the model the trainer is configured for?")

@@ -46,18 +46,20 @@ def test_valid_payload_round_trips_without_copy_or_widening():
     assert not out.flags.writeable  # a view of the decoded bytes, not a copy
 
 
-def test_exactly_one_surplus_row_is_dropped_more_is_an_error():
-    arr = valid(10)
-    out = decode(arr, num_tokens=10)
-    assert out.shape[0] == 9
-    np.testing.assert_array_equal(out, arr[:9])
-    with pytest.raises(RoutedExpertsError) as info:
-        decode(valid(11), num_tokens=10)
-    assert_names_sample(info.value, got="11 rows")
-    assert "9 rows" in str(info.value)
-    with pytest.raises(RoutedExpertsError) as info:
-        decode(valid(8), num_tokens=10)
-    assert_names_sample(info.value, got="8 rows")
+def test_exactly_len_tokens_minus_one_rows_are_accepted():
+    arr = valid(9)
+    assert decode(arr, num_tokens=10).shape == (9, 3, 2)
+
+
+@pytest.mark.parametrize("case", ["extra row at the back", "extra row at the front", "two extra", "one short",
+                                  "two short"])
+def test_any_other_row_count_is_refused_naming_request_sample_and_both_counts(case):
+    arr = valid(12, seed=3)
+    rows = {"extra row at the back": arr[:10], "extra row at the front": arr[2:12], "two extra": arr[:11],
+            "one short": arr[:8], "two short": arr[:7]}[case]
+    with pytest.raises(RoutedExpertsError, match="wrong number of tokens") as info:
+        decode(rows, num_tokens=10)
+    assert_names_sample(info.value, expected="9 rows (len(tokens) - 1 = 10 - 1)", got=f"{len(rows)} rows")
 
 
 @pytest.mark.parametrize("layers,topk", [(4, 2), (3, 3)])
