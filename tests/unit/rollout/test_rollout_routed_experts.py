@@ -155,6 +155,22 @@ def test_non_npy_and_truncated_payloads_are_refused():
         decode(base64.b64encode(raw[:12] + b"{garbage" + raw[20:]).decode(), num_tokens=5)
 
 
+def npy_with_header(header: bytes) -> bytes:
+    """A version 1.0 .npy whose header dict is ``header`` (padded as NumPy pads it), followed by 4 data bytes."""
+    header += b" " * ((64 - (10 + len(header) + 1) % 64) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(4)
+
+
+@pytest.mark.parametrize("header", [b"{'descr': '|u1', 'shape': ((", b"{'descr': '''", b"{garbage",
+                                    b"{'descr': '|u1', 'fortran_order': False, 'shape': (2, 2), 'x': }"])
+def test_any_error_of_the_npy_header_parser_is_a_malformed_header(header):
+    # NumPy's parser raises ValueError, SyntaxError or tokenize.TokenError (any unbalanced header on 3.12, some
+    # on 3.11 too): each must become the same clear error naming the sample, not escape as a tokenizer error
+    with pytest.raises(RoutedExpertsError, match="malformed .npy header") as info:
+        decode(base64.b64encode(npy_with_header(header)).decode(), num_tokens=5)
+    assert_names_sample(info.value)
+
+
 class _Armed:
     """Unpickling this touches a file: proof of whether a payload was ever unpickled."""
 
