@@ -13,6 +13,7 @@ maxima, then plain pairwise compares (small K: few compares).
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numpy as np
@@ -91,11 +92,15 @@ def _scan_lanes16(flat, words):  # pragma: no cover - compiled
 
 
 _compiled: dict[int, object] | None = None  # lane bytes -> kernel; {} once Numba is given up
+_setup = threading.RLock()  # responses are decoded in worker threads: set Numba up (and warn) once
 
 
 def _give_up_numba(reason: str) -> dict:
     global _compiled
-    _compiled = {}
+    with _setup:
+        if _compiled == {}:
+            return _compiled  # another thread gave up first and warned
+        _compiled = {}
     warnings.warn(f"routed-experts validation runs without Numba ({reason}); the NumPy path gives the same "
                   "answers, about 12 ms slower per 32K-token sample", RuntimeWarning, stacklevel=3)
     return _compiled
@@ -104,9 +109,14 @@ def _give_up_numba(reason: str) -> dict:
 def _numba_kernels() -> dict:
     """The compiled kernels, or ``{}`` when Numba is unavailable (warned once). Cached on disk by Numba when it has
     a writable cache folder; compiled in memory (about a second per process) when it has none."""
-    global _compiled
     if _compiled is not None:
         return _compiled
+    with _setup:
+        return _compiled if _compiled is not None else _set_up_numba()
+
+
+def _set_up_numba() -> dict:
+    global _compiled
     try:
         import numba
     except Exception as err:  # not installed, or an install that fails to import (e.g. llvmlite's library)

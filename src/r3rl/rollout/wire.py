@@ -6,6 +6,7 @@ produced no token); then tokens, log-probs, and with routing replay the routed e
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +86,20 @@ def _logprobs(content: list, bad) -> np.ndarray:
         i = int(bad_at[0])
         raise bad(f"log-prob of response token {i} is {values[i]!r}; expected a finite number")
     return out
+
+
+def sample_from_body(raw: bytes, *, url: str, index: int, request_id: str, **kwargs: Any) -> Sample:
+    """The raw response body -> ``Sample``: JSON parsing, then ``parse_response`` (the CPU-heavy part of a response,
+    run in a worker thread by the client)."""
+    try:
+        body = json.loads(raw)
+    except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
+        raise EngineError(f"engine {url}: sample {index} (request {request_id}): response is not JSON ({err}): "
+                          f"{raw[:200]!r}", url=url) from None
+    if not isinstance(body, dict):
+        raise EngineError(f"engine {url}: sample {index} (request {request_id}): response is a JSON "
+                          f"{type(body).__name__}, expected an object", url=url)
+    return parse_response(body, url=url, index=index, request_id=request_id, **kwargs)
 
 
 def parse_response(body: dict[str, Any], *, url: str, index: int, group: int, request_id: str,
