@@ -148,7 +148,7 @@ def _pairwise_any_equal(rows: np.ndarray) -> bool:
 
 def scan_routes(routes: np.ndarray, *, use_numba: bool = True) -> tuple[np.ndarray, bool]:
     """``(layer_max [L], has_duplicate)`` of ``routes [rows, L, K]`` (unsigned ints): each layer's largest id, and
-    whether some (token, layer) row repeats an id. ``use_numba=False`` forces the NumPy path (tests, bench)."""
+    whether some (token, layer) row repeats an id. ``use_numba=False`` forces the NumPy path (tests)."""
     rows, layers, k = routes.shape
     flat = routes.reshape(rows, layers * k)
     if rows == 0:
