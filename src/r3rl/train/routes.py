@@ -45,7 +45,7 @@ def check_routes(routes: np.ndarray | None, *, sample: int, num_tokens: int, num
         raise RouteError(f"sample {sample}: routed experts hold {k} experts per token and layer, the model routes "
                          f"to top-{topk} in every layer (shape {routes.shape})")
     if rows != num_tokens - 1:
-        raise RouteError(f"sample {sample} (request {request_id}): routed experts have {rows} rows for {num_tokens} "
+        raise RouteError(f"sample {sample}: routed experts of request {request_id} have {rows} rows for {num_tokens} "
                          f"tokens; expected {num_tokens - 1} (every token but the last), in every layer")
     if routes.size:
         if routes.dtype.kind == "i" and routes.min() < 0:

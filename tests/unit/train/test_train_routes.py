@@ -34,7 +34,8 @@ def test_only_len_tokens_minus_one_rows_are_accepted(rows):
     bad = {"extra row at the back": r[:6], "extra row at the front": r[1:7], "two extra": r, "one short": r[:4]}[rows]
     with pytest.raises(RouteError) as err:
         check_routes(bad, sample=4, num_tokens=6, num_layers=L, topk=K, num_experts=E, request_id="req-4")
-    assert f"sample 4 (request req-4): routed experts have {len(bad)} rows for 6 tokens; expected 5" in str(err.value)
+    assert (f"sample 4: routed experts of request req-4 have {len(bad)} rows for 6 tokens; expected 5"
+            in str(err.value))
     assert check(r[:5], 6).shape == (5, L, K)
 
 
