@@ -6,6 +6,7 @@ produced no token); then tokens, log-probs, and with routing replay the routed e
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from r3rl.rollout.routed_experts import RouteSpec, routes_for_sample
 from r3rl.sample import Sample, SampleStatus
 
 GENERATE_PATH = "/inference/v1/generate"
+_MISSING = object()
 
 _STATUS = {
     "stop": SampleStatus.COMPLETED,  # EOS or a stop token
@@ -66,6 +68,40 @@ def _weight_version(spans: object) -> int | None:
         return None
 
 
+def _logprobs(content: list, bad) -> np.ndarray:
+    """The sampled tokens' log-probs, each a finite number: a missing, null or NaN value would reach the
+    importance ratio of the loss unnoticed (NumPy turns ``None`` into NaN and parses strings)."""
+    values = []
+    for i, entry in enumerate(content):
+        value = entry.get("logprob", _MISSING) if isinstance(entry, dict) else _MISSING
+        # bool is an int subclass but no log-prob; JSON numbers arrive as float or int
+        if type(value) not in (float, int):
+            what = ("missing" if value is _MISSING else "null" if value is None
+                    else f"{value!r} ({type(value).__name__})")
+            raise bad(f"log-prob of response token {i} is {what}; expected a finite number")
+        values.append(value)
+    out = np.asarray(values, dtype=np.float32)
+    bad_at = np.flatnonzero(~np.isfinite(out))
+    if bad_at.size:
+        i = int(bad_at[0])
+        raise bad(f"log-prob of response token {i} is {values[i]!r}; expected a finite number")
+    return out
+
+
+def sample_from_body(raw: bytes, *, url: str, index: int, request_id: str, **kwargs: Any) -> Sample:
+    """The raw response body -> ``Sample``: JSON parsing, then ``parse_response`` (the CPU-heavy part of a response,
+    run in a worker thread by the client)."""
+    try:
+        body = json.loads(raw)
+    except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
+        raise EngineError(f"engine {url}: sample {index} (request {request_id}): response is not JSON ({err}): "
+                          f"{raw[:200]!r}", url=url) from None
+    if not isinstance(body, dict):
+        raise EngineError(f"engine {url}: sample {index} (request {request_id}): response is a JSON "
+                          f"{type(body).__name__}, expected an object", url=url)
+    return parse_response(body, url=url, index=index, request_id=request_id, **kwargs)
+
+
 def parse_response(body: dict[str, Any], *, url: str, index: int, group: int, request_id: str,
                    prompt: Sequence[int], routes: RouteSpec | None, label: str | None = None) -> Sample:
     """One ``/inference/v1/generate`` response -> ``Sample`` (routes decoded and validated when ``routes``)."""
@@ -80,10 +116,12 @@ def parse_response(body: dict[str, Any], *, url: str, index: int, group: int, re
     status = status_from_finish_reason(choice.get("finish_reason"), url=url, index=index, request_id=request_id)
     tokens = choice.get("token_ids") or []
     response_ids = np.asarray(tokens, dtype=np.int32)
-    content = (choice.get("logprobs") or {}).get("content") or []
-    if len(content) != len(response_ids):
-        raise bad(f"log-probs for {len(content)} tokens, expected {len(response_ids)} (one per response token)")
-    logprobs = np.fromiter((c["logprob"] for c in content), dtype=np.float32, count=len(content))
+    logprobs_field = choice.get("logprobs") or {}
+    content = (logprobs_field.get("content") if isinstance(logprobs_field, dict) else None) or []
+    if not isinstance(content, list) or len(content) != len(response_ids):
+        got = len(content) if isinstance(content, list) else type(content).__name__
+        raise bad(f"log-probs for {got} tokens, expected {len(response_ids)} (one per response token)")
+    logprobs = _logprobs(content, bad)
     routed = None
     if routes is not None:
         routed = routes_for_sample(choice.get("routed_experts"), aborted=status is SampleStatus.ABORTED,

@@ -25,8 +25,9 @@ class RouteError(ValueError):
 
 
 def check_routes(routes: np.ndarray | None, *, sample: int, num_tokens: int, num_layers: int, topk: int,
-                 num_experts: int) -> np.ndarray:
-    """Validate one sample's routes and return the ``T-1`` rows to replay (a surplus final row is dropped)."""
+                 num_experts: int, request_id: str | None = None) -> np.ndarray:
+    """Validate one sample's routes and return the ``T-1`` rows to replay (exactly ``T-1``: a surplus row at the
+    front would shift every route by one token, so no count but ``T-1`` is accepted)."""
     if routes is None:
         raise RouteError(f"sample {sample}: no routed experts to replay (was the engine started with "
                          f"--enable-return-routed-experts?)")
@@ -43,11 +44,9 @@ def check_routes(routes: np.ndarray | None, *, sample: int, num_tokens: int, num
     if k != topk:
         raise RouteError(f"sample {sample}: routed experts hold {k} experts per token and layer, the model routes "
                          f"to top-{topk} in every layer (shape {routes.shape})")
-    if rows == num_tokens:
-        routes = routes[:-1]  # some engines return the never-forwarded last token's row too
-    elif rows != num_tokens - 1:
-        raise RouteError(f"sample {sample}: routed experts have {rows} rows for {num_tokens} tokens; expected "
-                         f"{num_tokens - 1} (every token but the last), in every layer")
+    if rows != num_tokens - 1:
+        raise RouteError(f"sample {sample}: routed experts of request {request_id} have {rows} rows for {num_tokens} "
+                         f"tokens; expected {num_tokens - 1} (every token but the last), in every layer")
     if routes.size:
         if routes.dtype.kind == "i" and routes.min() < 0:
             row, layer, _ = np.argwhere(routes < 0)[0]

@@ -114,7 +114,8 @@ class MegatronTrainer:
             return None
         m = self.cfg.model
         return [check_routes(s.routed_experts, sample=i, num_tokens=s.num_tokens, num_layers=m.num_layers,
-                             topk=m.moe_topk, num_experts=m.num_experts) for i, s in enumerate(samples)]
+                             topk=m.moe_topk, num_experts=m.num_experts, request_id=s.request_id)
+                for i, s in enumerate(samples)]
 
     def _micro_batches(self, samples: Sequence[Sample], indices: Sequence[int], micro_batch_size: int, *,
                        routes: list[np.ndarray] | None, per_token: dict[str, list[np.ndarray]] | None = None

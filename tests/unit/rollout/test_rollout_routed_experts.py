@@ -46,18 +46,20 @@ def test_valid_payload_round_trips_without_copy_or_widening():
     assert not out.flags.writeable  # a view of the decoded bytes, not a copy
 
 
-def test_exactly_one_surplus_row_is_dropped_more_is_an_error():
-    arr = valid(10)
-    out = decode(arr, num_tokens=10)
-    assert out.shape[0] == 9
-    np.testing.assert_array_equal(out, arr[:9])
-    with pytest.raises(RoutedExpertsError) as info:
-        decode(valid(11), num_tokens=10)
-    assert_names_sample(info.value, got="11 rows")
-    assert "9 rows" in str(info.value)
-    with pytest.raises(RoutedExpertsError) as info:
-        decode(valid(8), num_tokens=10)
-    assert_names_sample(info.value, got="8 rows")
+def test_exactly_len_tokens_minus_one_rows_are_accepted():
+    arr = valid(9)
+    assert decode(arr, num_tokens=10).shape == (9, 3, 2)
+
+
+@pytest.mark.parametrize("case", ["extra row at the back", "extra row at the front", "two extra", "one short",
+                                  "two short"])
+def test_any_other_row_count_is_refused_naming_request_sample_and_both_counts(case):
+    arr = valid(12, seed=3)
+    rows = {"extra row at the back": arr[:10], "extra row at the front": arr[2:12], "two extra": arr[:11],
+            "one short": arr[:8], "two short": arr[:7]}[case]
+    with pytest.raises(RoutedExpertsError, match="wrong number of tokens") as info:
+        decode(rows, num_tokens=10)
+    assert_names_sample(info.value, expected="9 rows (len(tokens) - 1 = 10 - 1)", got=f"{len(rows)} rows")
 
 
 @pytest.mark.parametrize("layers,topk", [(4, 2), (3, 3)])
@@ -151,6 +153,22 @@ def test_non_npy_and_truncated_payloads_are_refused():
     assert_names_sample(info.value, expected="24 data bytes", got="19")
     with pytest.raises(RoutedExpertsError, match="malformed .npy header"):
         decode(base64.b64encode(raw[:12] + b"{garbage" + raw[20:]).decode(), num_tokens=5)
+
+
+def npy_with_header(header: bytes) -> bytes:
+    """A version 1.0 .npy whose header dict is ``header`` (padded as NumPy pads it), followed by 4 data bytes."""
+    header += b" " * ((64 - (10 + len(header) + 1) % 64) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(4)
+
+
+@pytest.mark.parametrize("header", [b"{'descr': '|u1', 'shape': ((", b"{'descr': '''", b"{garbage",
+                                    b"{'descr': '|u1', 'fortran_order': False, 'shape': (2, 2), 'x': }"])
+def test_any_error_of_the_npy_header_parser_is_a_malformed_header(header):
+    # NumPy's parser raises ValueError, SyntaxError or tokenize.TokenError (any unbalanced header on 3.12, some
+    # on 3.11 too): each must become the same clear error naming the sample, not escape as a tokenizer error
+    with pytest.raises(RoutedExpertsError, match="malformed .npy header") as info:
+        decode(base64.b64encode(npy_with_header(header)).decode(), num_tokens=5)
+    assert_names_sample(info.value)
 
 
 class _Armed:

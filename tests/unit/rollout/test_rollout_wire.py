@@ -3,13 +3,15 @@ lengths, masks, weight versions, request bodies and seeds."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from r3rl.config.schema import SamplingConfig
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RoutedExpertsError, RouteSpec, encode_routed_experts
-from r3rl.rollout.wire import parse_response, request_body, sample_seed
+from r3rl.rollout.wire import parse_response, request_body, sample_from_body, sample_seed
 from r3rl.sample import SampleStatus
 
 SPEC = RouteSpec(num_layers=2, topk=2, num_experts=4)
@@ -75,6 +77,23 @@ def test_logprobs_must_cover_every_response_token():
         parse(body(logprobs=[{"token_id": 5, "logprob": -1.0}]))
 
 
+@pytest.mark.parametrize("entry,what", [
+    ({"token_id": 6}, "missing"),
+    ({"token_id": 6, "logprob": None}, "null"),
+    ({"token_id": 6, "logprob": float("nan")}, "nan"),
+    ({"token_id": 6, "logprob": float("-inf")}, "-inf"),
+    ({"token_id": 6, "logprob": "-0.5"}, "'-0.5' (str)"),
+    (None, "missing"),
+])
+def test_a_logprob_that_is_not_a_finite_number_is_an_engine_error_naming_sample_and_token(entry, what):
+    content = [{"token_id": 5, "logprob": -0.5}, entry]
+    with pytest.raises(EngineError) as info:
+        parse(body(logprobs=content))
+    text = str(info.value)
+    assert "sample 3 (request rid-3)" in text and "http://e:1" in text, text
+    assert f"log-prob of response token 1 is {what}; expected a finite number" in text, text
+
+
 def test_default_weight_version_is_none():
     assert parse(body(versions=[{"version": "default", "start": 0, "end": 2}])).weight_version is None
 
@@ -89,3 +108,12 @@ def test_request_body_and_seeds():
     assert request_body("r", [1], sampling, 5, max_tokens=3)["sampling_params"]["max_tokens"] == 3
     seeds = {sample_seed(100, step, i) for step in range(3) for i in range(64)}
     assert len(seeds) == 3 * 64 and sample_seed(100, 2, 5) == 100 + 2 * 100003 + 5
+
+
+def test_raw_body_that_is_not_a_json_object_is_an_engine_error():
+    kwargs = dict(url="http://e:1", index=3, group=1, request_id="rid-3", prompt=PROMPT, routes=SPEC)
+    for raw, what in ((b"<html>502 Bad Gateway</html>", "not JSON"), (b"[1, 2]", "a JSON list, expected an object")):
+        with pytest.raises(EngineError, match=rf"sample 3 \(request rid-3\): response is {what}"):
+            sample_from_body(raw, **kwargs)
+    s = sample_from_body(json.dumps(body()).encode(), **kwargs)
+    assert s.routed_experts.shape == (4, 2, 2) and s.response_ids.tolist() == [5, 6]

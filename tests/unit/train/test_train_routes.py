@@ -28,11 +28,15 @@ def test_valid_routes_pass_unchanged_and_stay_narrow():
     assert out.dtype == np.uint8 and np.array_equal(out, r)
 
 
-def test_one_surplus_row_is_dropped_more_is_refused():
-    r = routes_for(7)
-    assert check(r, 6).shape == (5, L, K)
-    with pytest.raises(RouteError, match=r"sample 4: .*8 rows for 6 tokens"):
-        check(routes_for(9), 6, sample=4)
+@pytest.mark.parametrize("rows", ["extra row at the back", "extra row at the front", "two extra", "one short"])
+def test_only_len_tokens_minus_one_rows_are_accepted(rows):
+    r = routes_for(8, seed=2)
+    bad = {"extra row at the back": r[:6], "extra row at the front": r[1:7], "two extra": r, "one short": r[:4]}[rows]
+    with pytest.raises(RouteError) as err:
+        check_routes(bad, sample=4, num_tokens=6, num_layers=L, topk=K, num_experts=E, request_id="req-4")
+    assert (f"sample 4: routed experts of request req-4 have {len(bad)} rows for 6 tokens; expected 5"
+            in str(err.value))
+    assert check(r[:5], 6).shape == (5, L, K)
 
 
 @pytest.mark.parametrize("shape, what", [((5, L + 1, K), "layers"), ((5, L, K + 1), "top-")])
