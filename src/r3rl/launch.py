@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import yaml
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.syntax import Syntax
@@ -19,10 +20,12 @@ def dry_run(cfg: R3RLConfig) -> None:
     except PlacementError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    text = OmegaConf.to_yaml(OmegaConf.create(describe(cfg, plan)), sort_keys=False)
+    # one line per engine command, never folded: users copy it into a shell, tests grep it
+    text = yaml.safe_dump(OmegaConf.to_container(OmegaConf.create(describe(cfg, plan))), sort_keys=False,
+                          width=1 << 20)
     console = Console(width=200)
     console.rule(f"[bold]launch plan: {cfg.run.name}[/] (dry run: nothing started)")
-    console.print(Syntax(text, "yaml", word_wrap=True, theme="ansi_dark"))
+    console.print(Syntax(text, "yaml", theme="ansi_dark"), soft_wrap=True)
 
 
 def check_machine(cfg: R3RLConfig, gpus: int) -> str | None:

@@ -53,7 +53,9 @@ def test_dry_run_plan_for_cpu_default_has_cpu_profile_only_there():
     gpu = run_py("model=qwen3_30b", "parallelism=colocated", "run.dry_run=true")
     assert cpu.returncode == 0 and gpu.returncode == 0, cpu.stderr + gpu.stderr
     assert "TRITON_INTERPRET" in cpu.stdout and "logical_gpus: true" in cpu.stdout
-    assert "TRITON_INTERPRET" not in gpu.stdout and "VLLM_USE_V2_MODEL_RUNNER" not in gpu.stdout
+    assert "TRITON_INTERPRET" not in gpu.stdout
+    # routed experts need Model Runner V2 on every device
+    assert "VLLM_USE_V2_MODEL_RUNNER: '1'" in cpu.stdout and "VLLM_USE_V2_MODEL_RUNNER: '1'" in gpu.stdout
 
 
 def test_dry_run_starts_nothing(tmp_path):
