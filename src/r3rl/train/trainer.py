@@ -46,7 +46,7 @@ class MegatronTrainer:
         par = cfg.parallelism.trainer
         self.info = distributed.init(
             distributed.Layout(par.tensor_parallel, par.pipeline_parallel, par.expert_parallel,
-                               par.context_parallel), seed=cfg.run.seed)
+                               par.context_parallel, par.expert_tensor_parallel), seed=cfg.run.seed)
         self._closed = False
         try:
             self._build()
