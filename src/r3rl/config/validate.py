@@ -191,10 +191,9 @@ def validate(cfg: R3RLConfig) -> None:
     check(tr.lr > 0, "trainer.lr", f"must be > 0, got {tr.lr}")
     check(tr.max_tokens_per_micro_batch is None or tr.max_tokens_per_micro_batch >= 1,
           "trainer.max_tokens_per_micro_batch", f"must be null or >= 1, got {tr.max_tokens_per_micro_batch}")
-    check(tr.max_tokens_per_micro_batch is None or tr.max_tokens_per_micro_batch >= ro.engine.max_model_len,
-          "trainer.max_tokens_per_micro_batch",
-          f"must hold one sample of up to rollout.engine.max_model_len={ro.engine.max_model_len} tokens, "
-          f"got {tr.max_tokens_per_micro_batch}")
+    check(tr.max_tokens_per_micro_batch is None or pp == 1, "trainer.max_tokens_per_micro_batch",
+          f"must be null with parallelism.trainer.pipeline_parallel={pp}: pipeline stages exchange activations of one "
+          "fixed shape (use trainer.micro_batch_size)")
     check(0.0 <= tr.optimizer_offload_fraction <= 1.0, "trainer.optimizer_offload_fraction",
           f"must be in [0, 1], got {tr.optimizer_offload_fraction}")
     check(not tr.optimizer_cpu_offload or tr.use_distributed_optimizer, "trainer.optimizer_cpu_offload",

@@ -1,5 +1,6 @@
 """Megatron's distributed optimizer (the one GPU runs use) on a CPU: expert parallel 2 in two processes, a GRPO
-step, a checkpoint save and load; and the memory planner's estimate against the bytes a trainer really holds."""
+step, a checkpoint save and load, micro batches packed by a token budget; the memory planner's estimate against the
+bytes a trainer really holds; token-budget packing leaves log-probs and gradients unchanged."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_distopt_worker import held_bytes
 from megatron_distopt_worker import run as run_ranks_inline
@@ -17,7 +19,10 @@ from r3rl.memory import estimate
 from r3rl.train.grpo import group_advantages
 
 WORKER_NAME = "megatron_distopt_worker.py"
-DISTOPT = ["trainer.use_distributed_optimizer=true", "trainer.micro_batch_size=2"]
+# micro batches packed by a 48-token budget (equal shapes across the two allgather ranks), compared with the single
+# process's two samples per micro batch
+BUDGET = ["trainer.max_tokens_per_micro_batch=48"]
+DISTOPT = ["trainer.use_distributed_optimizer=true", "trainer.micro_batch_size=2", *BUDGET]
 MEMORY_PARTS = ("weights", "gradients", "master weights", "optimizer state")
 
 
@@ -94,3 +99,23 @@ def test_memory_estimate_matches_one_rank(new_trainer, batch):
     print("\nmemory EP1 (bytes) measured", measured, "estimated", expected)
     assert measured["optimizer state"] > 0 and measured["master weights"] == 0
     assert_within(measured, expected)
+
+
+def test_token_budget_packing_leaves_logprobs_and_gradients_unchanged(new_trainer, batch):
+    samples, adv = batch
+    by_count = new_trainer("trainer.micro_batch_size=2")
+    by_tokens = new_trainer("trainer.micro_batch_size=2", *BUDGET)
+    mbs = by_tokens._micro_batches(samples, list(range(len(samples))), 2, routes=None)
+    longest = max(s.num_tokens - 1 for s in samples)
+    # fewer, fuller micro batches, each padded to its own longest sample within the budget
+    assert len(mbs) < 4 and all(mb.tokens.numel() <= 48 for mb, _ in mbs)
+    assert any(mb.seq_len < longest for mb, _ in mbs)
+    a = by_count.logprobs(samples, replay=True)
+    b = by_tokens.logprobs(samples, replay=True)
+    assert b.replayed_routes_match is True
+    assert max(np.abs(x - y).max() for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    ga = by_count.gradients(samples, adv, replay=True, old_logprobs=a.logprobs)
+    gb = by_tokens.gradients(samples, adv, replay=True, old_logprobs=a.logprobs)
+    assert abs(ga["loss"] - gb["loss"]) < 1e-6
+    for name, g in ga["grads"].items():
+        assert torch.allclose(g, gb["grads"][name], atol=1e-6, rtol=1e-4), name
