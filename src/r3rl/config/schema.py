@@ -62,6 +62,7 @@ class TrainerParallelConfig(Frozen):
     pipeline_parallel: int = 1
     expert_parallel: int = 1
     context_parallel: int = 1
+    expert_tensor_parallel: int = 1
     sequence_parallel: bool = False
 
 
@@ -81,6 +82,7 @@ class ParallelismConfig(Frozen):
     nnodes: int = 1
     gpus_per_node: int = 8
     colocated: bool = False
+    gpu_memory_gib: Optional[float] = None
     trainer: TrainerParallelConfig = field(default_factory=TrainerParallelConfig)
     rollout: RolloutParallelConfig = field(default_factory=RolloutParallelConfig)
 
@@ -125,6 +127,7 @@ class TrainerConfig(Frozen):
     name: str = "megatron"
     params_dtype: str = "auto"
     micro_batch_size: int = 1
+    max_tokens_per_micro_batch: Optional[int] = None
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -137,6 +140,9 @@ class TrainerConfig(Frozen):
     moe_token_dispatcher_type: str = "alltoall"
     moe_router_dtype: str = "fp32"
     use_distributed_optimizer: bool = True
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    precision_aware_optimizer: bool = False
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
 
 

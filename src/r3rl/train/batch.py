@@ -11,7 +11,7 @@ row to invent). Rows the routes do not cover (right padding, alignment padding) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,3 +104,45 @@ def plan_micro_batches(indices: Sequence[int], dp_rank: int, dp_size: int, micro
     per_rank = total // dp_size
     mine = slots[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+def plan_token_micro_batches(lengths: Mapping[int, int], indices: Sequence[int], dp_rank: int, dp_size: int,
+                             max_tokens: int, padded_len: Callable[[int], int], *, equal_shapes: bool
+                             ) -> list[tuple[list[int | None], int | None]]:
+    """This data-parallel rank's micro batches over ``indices``, packed by a token budget (slime's dynamic batch
+    size for right-padded batches): ``(slots, seq_len)`` each, where samples x padded length stays within
+    ``max_tokens`` (a longer sample goes alone).
+
+    Each rank takes the same contiguous share as ``plan_micro_batches`` and packs it longest first, so a micro batch
+    pads only to its own longest sample. Every rank gets the same number of micro batches (trailing ones all None):
+    expert-parallel ranks meet in every MoE layer. With ``equal_shapes`` (a dispatcher that gathers equal token
+    counts) micro batch k has the same number of slots on every rank and ``seq_len`` is the longest over ranks of
+    micro batch k; otherwise ``seq_len`` is None (each pads to its own longest). ``lengths[i]`` is sample i's fed
+    length (tokens - 1); None slots are filled by the caller with the shortest sample and a zero loss mask.
+    """
+    per_rank = -(-len(indices) // dp_size)
+    filler = min(padded_len(max(lengths[i], 1)) for i in indices)
+    ranks = []
+    for r in range(dp_size):
+        share = sorted(indices[r * per_rank:(r + 1) * per_rank], key=lambda i: -lengths[i])
+        batches: list[list[int]] = []
+        for i in share:
+            if batches and (len(batches[-1]) + 1) * padded_len(max(lengths[batches[-1][0]], 1)) <= max_tokens:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        ranks.append(batches)
+    count = max(len(b) for b in ranks)
+    padded: list[list[list[int | None]]] = [[list(b) for b in batches] + [[None]] * (count - len(batches))
+                                            for batches in ranks]
+
+    def longest(slots: list[int | None]) -> int:
+        return max(padded_len(max(lengths[i], 1)) if i is not None else filler for i in slots)
+
+    if not equal_shapes:
+        return [(slots, None) for slots in padded[dp_rank]]
+    out = []
+    for k, slots in enumerate(padded[dp_rank]):
+        width = max(len(p[k]) for p in padded)
+        out.append((slots + [None] * (width - len(slots)), max(longest(p[k]) for p in padded)))
+    return out

@@ -2,9 +2,9 @@
 
 Megatron assumes CUDA in a handful of spots: ``torch.cuda.current_device()`` as the device of new tensors (rotary,
 router, DDP buffers), the CUDA RNG tracker (attention always forks it, activation recompute saves and restores it),
-``te_general_gemm`` referenced without TransformerEngine, ``get_default_causal_mask`` allocating on ``cuda``, the
-alltoall dispatcher's CUDA streams, and an optimizer/grad-norm stack that allocates on ``cuda``. ``apply_if_needed``
-points the first three at the CPU and is a no-op when CUDA is available; the rest are settings
+``get_default_causal_mask`` allocating on ``cuda``, the alltoall dispatcher's CUDA streams, and an optimizer/grad-norm
+stack that allocates on ``cuda``. ``apply_if_needed`` points the first two at the CPU and is a no-op when CUDA is
+available (the missing-TransformerEngine fallbacks, needed on GPUs too, live in ``r3rl.train.te_fallback``); the rest are settings
 (``transformer_overrides``), an explicit causal mask so Megatron never builds its own (``attention_mask``) and a plain
 torch optimizer over Megatron's ``main_grad`` buffers (``MainGradAdam``), used only while the compat layer is active.
 """
@@ -20,18 +20,14 @@ import torch
 
 _ACTIVE = False
 
-# TransformerConfig settings that only make sense without a GPU: no fused CUDA kernels, CPU parameter init, the
-# allgather dispatcher (alltoall needs torch.cuda.Stream), no grouped GEMM (TransformerEngine/CUTLASS only).
+# TransformerConfig settings that only make sense without a GPU: CPU parameter init, no fused CUDA kernels beyond the
+# GPU speed settings (which the plan already turns off for parallelism.device=cpu), the allgather dispatcher
+# (alltoall needs torch.cuda.Stream).
 CPU_TRANSFORMER_OVERRIDES: dict[str, Any] = {
     "use_cpu_initialization": True,
-    "gradient_accumulation_fusion": False,
-    "bias_activation_fusion": False,
     "bias_dropout_fusion": False,
-    "apply_rope_fusion": False,
     "masked_softmax_fusion": False,
     "persist_layer_norm": False,
-    "moe_grouped_gemm": False,
-    "moe_permute_fusion": False,
     "moe_token_dispatcher_type": "allgather",
 }
 
@@ -56,7 +52,6 @@ def apply_if_needed() -> bool:
         return False
     _patch_current_device()
     _patch_rng()
-    _patch_router_gemm()
     _ACTIVE = True
     return True
 
@@ -166,14 +161,6 @@ def seed_rng_tracker(seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> No
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
 
 
-def _patch_router_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    # 0.16.1 references te_general_gemm unconditionally in the router's gating GEMM; None selects torch.mm.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def transformer_overrides() -> dict[str, Any]:
     """TransformerConfig settings the CPU needs, on top of ``plan.megatron_config`` (empty when inactive)."""
     return dict(CPU_TRANSFORMER_OVERRIDES) if _ACTIVE else {}
@@ -274,3 +261,36 @@ class MainGradAdam:
         with torch.no_grad():
             for master, saved in zip(separate, state["masters"]):
                 master.copy_(saved)
+
+
+def _names_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int)  # a bare index means a CUDA device
+
+
+class _CudaAsCpu(torch.overrides.TorchFunctionMode):
+    """Inside Megatron's optimizer: ``device='cuda'`` allocations and ``.cuda()`` land on the CPU, and CPU tensors
+    report CUDA type names (its dtype checks compare ``param.type()`` with ``torch.cuda.FloatTensor`` & co)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _names_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and args[1:] and _names_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str) \
+                and not result.startswith("torch.cuda."):
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+
+def megatron_optimizer_scope() -> contextlib.AbstractContextManager:
+    """Where Megatron's (distributed) optimizer runs: CUDA allocations redirected to the CPU while the compat layer is
+    active, nothing otherwise."""
+    return _CudaAsCpu() if _ACTIVE else contextlib.nullcontext()

@@ -1,7 +1,8 @@
 """torch.distributed and Megatron's parallel state for one trainer rank.
 
 Ray actors and torchrun both describe a rank by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (LOCAL_RANK picks
-the GPU); a plain process gets world size 1 on a free loopback port. gloo on CPU, NCCL on GPU. Several trainers in
+the GPU); a plain process gets world size 1 on a free loopback port. gloo on CPU, NCCL on GPU; gloo groups beside the
+NCCL ones on GPU too, because Megatron's optimizer and its distributed-optimizer checkpoints ask for them. Several trainers in
 one process (tests build a second one to compare) share the process groups; the last one to leave tears them down.
 """
 
@@ -23,6 +24,7 @@ class Layout:
     pipeline_parallel: int = 1
     expert_parallel: int = 1
     context_parallel: int = 1
+    expert_tensor_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -75,15 +77,17 @@ def init(layout: Layout, seed: int, timeout_minutes: int = 30) -> RankInfo:
     if not ps.model_parallel_is_initialized():
         cpu_compat.check_supported(layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel)
         model_parallel = layout.tensor_parallel * layout.pipeline_parallel * layout.context_parallel
-        if world % model_parallel or world % (layout.expert_parallel * layout.pipeline_parallel):
+        expert_model_parallel = layout.expert_parallel * layout.expert_tensor_parallel * layout.pipeline_parallel
+        if world % model_parallel or world % expert_model_parallel:
             raise RuntimeError(f"world size {world} does not fit the trainer layout {layout}")
         ps.initialize_model_parallel(
             tensor_model_parallel_size=layout.tensor_parallel,
             pipeline_model_parallel_size=layout.pipeline_parallel,
             context_parallel_size=layout.context_parallel,
             expert_model_parallel_size=layout.expert_parallel,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel,
             distributed_timeout_minutes=timeout_minutes,
-            create_gloo_process_groups=device.type == "cpu",
+            create_gloo_process_groups=True,
         )
         _LAYOUT = layout
     elif _LAYOUT != layout:

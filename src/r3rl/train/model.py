@@ -15,7 +15,7 @@ import torch
 
 from r3rl.config.schema import R3RLConfig
 from r3rl.plan import megatron_config, resolve_dtype
-from r3rl.train import cpu_compat
+from r3rl.train import cpu_compat, te_fallback
 
 # Keys of plan.megatron_config that belong to GPTModel / DDP rather than TransformerConfig.
 MODEL_KEYS = ("vocab_size", "max_sequence_length", "untie_embeddings_and_output_weights", "rotary_base")
@@ -42,6 +42,7 @@ def model_settings(cfg: R3RLConfig, *, replay: bool | None = None) -> ModelSetti
     dtype_name = resolve_dtype(cfg.trainer.params_dtype, cfg.parallelism.device)
     raw = megatron_config(cfg, dtype_name)
     raw.update(cpu_compat.transformer_overrides())
+    raw = te_fallback.drop_missing_kernels(raw)
     if replay is not None:
         raw["moe_enable_routing_replay"] = replay
     if raw.get("moe_enable_routing_replay") and raw.get("moe_router_fusion"):
@@ -71,7 +72,7 @@ def model_settings(cfg: R3RLConfig, *, replay: bool | None = None) -> ModelSetti
         max_sequence_length=model["max_sequence_length"],
         untie_embeddings=model["untie_embeddings_and_output_weights"],
         rotary_base=model["rotary_base"],
-        use_distributed_optimizer=ddp["use_distributed_optimizer"] and not cpu_compat.is_active(),
+        use_distributed_optimizer=ddp["use_distributed_optimizer"],
         dtype=dtype,
     )
 
@@ -102,6 +103,7 @@ def build_gpt(settings: ModelSettings, device: torch.device):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    te_fallback.guard_router_gemm()
     config = transformer_config(settings)
     model = GPTModel(
         config=config,

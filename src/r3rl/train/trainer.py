@@ -19,7 +19,7 @@ from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
 from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, grpo, optim
 from r3rl.train import model as model_lib
-from r3rl.train.batch import MicroBatch, RouteShape, build_micro_batch, plan_micro_batches
+from r3rl.train.batch import MicroBatch, RouteShape, build_micro_batch, plan_micro_batches, plan_token_micro_batches
 from r3rl.train.layout import TokenLayout
 from r3rl.train.replay import ProbeCounts, ReplayDriver, RouteProbe, check_megatron_api, forget_instances
 from r3rl.train.routes import check_routes
@@ -46,7 +46,7 @@ class MegatronTrainer:
         par = cfg.parallelism.trainer
         self.info = distributed.init(
             distributed.Layout(par.tensor_parallel, par.pipeline_parallel, par.expert_parallel,
-                               par.context_parallel), seed=cfg.run.seed)
+                               par.context_parallel, par.expert_tensor_parallel), seed=cfg.run.seed)
         self._closed = False
         try:
             self._build()
@@ -91,9 +91,11 @@ class MegatronTrainer:
         self.layout = TokenLayout(cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
                                   sp_size=tp if sp else 1, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0)
         self.pipelined = ps.get_pipeline_model_parallel_world_size() > 1
-        # expert-parallel ranks exchange tokens in every MoE layer and pipeline stages pass fixed-size activations:
-        # then all micro batches of a call share one padded length
-        self.uniform_length = ps.get_expert_model_parallel_world_size() > 1 or self.pipelined
+        # pipeline stages pass fixed-size activations, and the allgather dispatcher gathers equal token counts from
+        # the expert-parallel ranks: then micro batches share one shape. alltoall takes unequal counts (GPU runs).
+        self.equal_shapes = ps.get_expert_model_parallel_world_size() > 1 and \
+            self.settings.transformer.get("moe_token_dispatcher_type") == "allgather"
+        self.uniform_length = self.equal_shapes or self.pipelined
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -121,13 +123,24 @@ class MegatronTrainer:
                        routes: list[np.ndarray] | None, per_token: dict[str, list[np.ndarray]] | None = None
                        ) -> list[tuple[MicroBatch, list[bool]]]:
         """This rank's micro batches over ``indices`` with, per slot, whether it is a real sample (padding slots
-        repeat a real one with a zero loss mask so every expert-parallel rank runs the same forwards)."""
-        seq_len = max(samples[i].num_tokens - 1 for i in indices) if self.uniform_length else None
-        plan = plan_micro_batches(indices, self.info.dp_rank, self.info.dp_size, micro_batch_size)
+        repeat a real one with a zero loss mask so every expert-parallel rank runs the same forwards).
+
+        ``trainer.max_tokens_per_micro_batch`` packs micro batches by a token budget instead of a sample count."""
+        budget = self.cfg.trainer.max_tokens_per_micro_batch
+        lengths = {i: samples[i].num_tokens - 1 for i in indices}
+        if budget is None:
+            seq_len = max(lengths.values()) if self.uniform_length else None
+            plan = [(slots, seq_len) for slots in
+                    plan_micro_batches(indices, self.info.dp_rank, self.info.dp_size, micro_batch_size)]
+            filler = indices[0]
+        else:
+            plan = plan_token_micro_batches(lengths, indices, self.info.dp_rank, self.info.dp_size, budget,
+                                            self.layout.padded_len, equal_shapes=self.equal_shapes)
+            filler = min(indices, key=lengths.__getitem__)
         out = []
-        for slots in plan:
+        for slots, seq_len in plan:
             valid = [i is not None for i in slots]
-            real = [i if i is not None else indices[0] for i in slots]
+            real = [i if i is not None else filler for i in slots]
             tokens_inputs = None
             if per_token is not None:
                 tokens_inputs = {k: [v[i] if ok else np.zeros_like(v[i]) for i, ok in zip(real, valid)]

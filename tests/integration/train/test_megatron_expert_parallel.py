@@ -20,14 +20,14 @@ WORKER = Path(__file__).with_name("megatron_ep_worker.py")
 EP2 = ["parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2", "parallelism.trainer.expert_parallel=2"]
 
 
-def launch(world_size: int, args: list[str], tmp: Path) -> list[subprocess.Popen]:
+def launch(world_size: int, args: list[str], tmp: Path, worker: Path = WORKER) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         log = open(tmp / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=log,
+        procs.append(subprocess.Popen([sys.executable, str(worker), *args], env=env, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 

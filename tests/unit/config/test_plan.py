@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import shlex
 
+from r3rl.config import compose
 from r3rl.plan import VLLM_SERVER_MODULE, build_plan, describe
 from r3rl.rollout.probe import launched_model
+
+# colocated engines leave room for the trainer on the same GPU (the memory plan refuses 0.85 there)
+COLOCATED_SHARE = "rollout.engine.gpu_memory_utilization=0.35"
 
 
 def test_disaggregated_4p4_r3(compose_cfg):
@@ -26,7 +30,7 @@ def test_disaggregated_4p4_r3(compose_cfg):
 
 
 def test_colocated_shares_gpus_0_to_7(compose_cfg):
-    plan = build_plan(compose_cfg("model=qwen3_30b", "rollout=vllm_r3", "parallelism=colocated"))
+    plan = build_plan(compose_cfg("model=qwen3_30b", "rollout=vllm_r3", "parallelism=colocated", COLOCATED_SHARE))
     trainer = {(g.node, g.local) for g in plan.placement.trainer}
     engines = {(e.node, g) for e in plan.engines for g in e.gpus}
     assert trainer == engines == {(0, g) for g in range(8)}
@@ -58,7 +62,7 @@ def test_cpu_defaults_make_engine_and_trainer_numerics_differ(compose_cfg):
 
 def test_dtype_auto_resolves_by_device(compose_cfg):
     cpu = build_plan(compose_cfg("parallelism=cpu", "rollout.engine.dtype=auto", "trainer.params_dtype=auto"))
-    gpu = build_plan(compose_cfg("model=qwen3_30b", "parallelism=colocated"))
+    gpu = build_plan(compose_cfg("model=qwen3_30b", "parallelism=colocated", COLOCATED_SHARE))
     assert (cpu.engine_dtype, cpu.trainer_dtype) == ("float32", "float32")
     assert (gpu.engine_dtype, gpu.trainer_dtype) == ("bfloat16", "bfloat16")
 
@@ -80,3 +84,39 @@ def test_cpu_engines_keep_the_module_entry_point(compose_cfg):
     assert list(engine.argv[:5]) == ["python", "-m", VLLM_SERVER_MODULE, "--model", cfg.model.checkpoint]
     assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert launched_model(engine.argv) == cfg.model.checkpoint
+
+
+def test_tp2_sp_with_ep4_on_4_gpus_is_a_valid_plan():
+    """Megatron's expert-tensor-parallel size defaults to TP; EP 4 x ETP 2 would not tile 4 GPUs, so it is passed."""
+    plan = build_plan(compose_list("model=qwen3_30b", "parallelism=disaggregated_4p4",
+                                     "parallelism.trainer.tensor_parallel=2",
+                                     "parallelism.trainer.sequence_parallel=true"))
+    assert plan.megatron["expert_tensor_parallel_size"] == 1
+    assert plan.megatron["tensor_model_parallel_size"] == 2 and plan.megatron["expert_model_parallel_size"] == 4
+    assert plan.memory.over_budget() == []
+
+
+def test_gpu_speed_settings_on_for_gpus_and_off_for_the_cpu_profile():
+    from r3rl.plan import GPU_SPEED_SETTINGS
+
+    gpu = build_plan(compose_list("model=qwen3_30b", "parallelism=disaggregated_4p4")).megatron
+    cpu = build_plan(compose_list("parallelism=cpu")).megatron
+    assert {k: gpu[k] for k in GPU_SPEED_SETTINGS} == dict.fromkeys(GPU_SPEED_SETTINGS, True)
+    assert {k: cpu[k] for k in GPU_SPEED_SETTINGS} == dict.fromkeys(GPU_SPEED_SETTINGS, False)
+
+
+def test_optimizer_offload_reaches_megatrons_options():
+    opt = build_plan(compose_list("experiment=qwen3_30b_r3_4p4")).optimizer
+    assert opt["optimizer_cpu_offload"] and opt["overlap_cpu_optimizer_d2h_h2d"]
+    assert opt["optimizer_offload_fraction"] == 1.0 and opt["use_precision_aware_optimizer"]
+    assert opt["use_distributed_optimizer"] and opt["bf16"]
+    cpu = build_plan(compose_list("parallelism=cpu")).optimizer
+    assert not cpu["optimizer_cpu_offload"] and cpu["optimizer_offload_fraction"] == 0.0
+    from megatron.core.optimizer import OptimizerConfig
+
+    known = {f for f in OptimizerConfig.__dataclass_fields__}
+    assert set(opt) <= known, set(opt) - known
+
+
+def compose_list(*overrides: str):
+    return compose(list(overrides))

@@ -11,6 +11,9 @@ from r3rl.config import CONF_DIR
 
 REPO = CONF_DIR.parent
 
+# colocated engines leave room for the trainer on the same GPU (the memory plan refuses 0.85 there)
+COLOCATED_SHARE = "rollout.engine.gpu_memory_utilization=0.35"
+
 
 def run_py(*args: str) -> subprocess.CompletedProcess:
     # a timeout, not a timing assertion: a config error must never reach anything that could hang
@@ -50,7 +53,7 @@ def test_dry_run_disaggregated_4p4_r3():
 
 def test_dry_run_plan_for_cpu_default_has_cpu_profile_only_there():
     cpu = run_py("run.dry_run=true", "parallelism=cpu")
-    gpu = run_py("model=qwen3_30b", "parallelism=colocated", "run.dry_run=true")
+    gpu = run_py("model=qwen3_30b", "parallelism=colocated", COLOCATED_SHARE, "run.dry_run=true")
     assert cpu.returncode == 0 and gpu.returncode == 0, cpu.stderr + gpu.stderr
     assert "TRITON_INTERPRET" in cpu.stdout and "logical_gpus: true" in cpu.stdout
     assert "TRITON_INTERPRET" not in gpu.stdout
@@ -89,6 +92,6 @@ def test_cpu_profile_is_refused_where_gpus_are_present(compose_cfg):
 
 
 def test_gpu_layout_without_gpus_fails_before_starting_anything(tmp_path):
-    out = run_py("model=qwen3_30b", "parallelism=colocated", f"run.output_dir={tmp_path}/r")
+    out = run_py("model=qwen3_30b", "parallelism=colocated", COLOCATED_SHARE, f"run.output_dir={tmp_path}/r")
     assert out.returncode == 2 and "needs GPUs" in out.stderr
     assert not (tmp_path / "r" / "processes.json").exists()

@@ -31,6 +31,8 @@ CUDA_PRESENT = textwrap.dedent("""
              mrandom._CUDA_RNG_STATE_TRACKER)
     assert all(a is b for a, b in zip(before, after)), "Megatron was patched although CUDA is available"
     assert cpu_compat.transformer_overrides() == {}
+    import contextlib
+    assert isinstance(cpu_compat.megatron_optimizer_scope(), contextlib.nullcontext)
     assert cpu_compat.attention_mask(4, torch.device("cpu")) is None
     cpu_compat.check_supported(2, 2, 2)  # GPU layouts are not refused
     print("COMPAT-OFF-OK")
@@ -81,3 +83,16 @@ def test_cpu_rng_tracker_forks_like_the_cuda_one():
         assert torch.equal(torch.rand(3), third)  # restoring states replays the stream (activation recompute)
     with pytest.raises(RuntimeError):
         tracker.add("b", 11)
+
+
+@cpu_only
+def test_megatron_optimizer_scope_puts_cuda_allocations_on_the_cpu():
+    cpu_compat.apply_if_needed()
+    param = torch.zeros(3)
+    with cpu_compat.megatron_optimizer_scope():
+        made = torch.tensor([0], dtype=torch.int, device="cuda")
+        moved = param.cuda()
+        name = param.type()
+    assert made.device.type == "cpu" and moved is param
+    # Megatron's optimizers compare param.type() with the CUDA type names
+    assert name == "torch.cuda.FloatTensor" and param.type() == "torch.FloatTensor"

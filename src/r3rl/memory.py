@@ -1,0 +1,223 @@
+"""Bytes each GPU holds, per role, derived from the config alone (pure, no I/O): the plan's memory budget.
+
+Trainer rank (Megatron, distributed optimizer as Megatron shards it):
+- weights: this rank's parameters in ``params_dtype``: dense layers split over tensor parallel, experts over expert
+  parallel x expert-tensor parallel, layers over pipeline stages (embedding and output layer counted on every
+  stage, which is exact for one stage and an upper bound otherwise);
+- gradients: Megatron DDP's float32 ``main_grad`` buffer, one entry per local parameter (``grad_reduce_in_fp32``);
+- master weights: a float32 copy of every non-float32 parameter; optimizer state: Adam's two float32 moments. With
+  the distributed optimizer both are sharded: dense parameters over data parallel (x context parallel), experts
+  over expert-data parallel = trainer GPUs / (EP x ETP x PP). ``trainer.optimizer_cpu_offload`` moves
+  ``optimizer_offload_fraction`` of both to host memory;
+- activations: per micro batch of ``T`` tokens (``max_tokens_per_micro_batch``, else ``micro_batch_size`` samples
+  of ``rollout.engine.max_model_len``), split over context parallel and, under sequence parallel, tensor parallel.
+  Without recompute every layer keeps its working set; with full recompute each layer keeps its input and one
+  layer's working set is rebuilt at a time. Attention is assumed fused (TransformerEngine / flash): no S x S scores;
+- logits: the output layer's ``[T, vocab / TP]`` in ``params_dtype`` plus the float32 copy and its gradient that the
+  cross entropy works on;
+- runtime: CUDA context, NCCL buffers and allocator slack, a fixed allowance.
+
+Rollout engine (vLLM) GPU: ``gpu_memory_utilization x GPU memory`` is the whole engine share (weights, then KV cache
+in what is left), or weights + ``kv_cache_memory_bytes`` when that is set. Weights: dense layers split over the
+engine's tensor parallel, experts over tensor x data parallel with ``--enable-expert-parallel``.
+
+Colocated GPUs hold one trainer rank and one engine share at once (as long as engines do not sleep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from r3rl.config.schema import R3RLConfig
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# CUDA context, NCCL communicators and allocator fragmentation on a trainer GPU
+RUNTIME_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of the whole model by how Megatron shards them."""
+
+    dense_per_layer: int  # attention, norms, router: split over tensor parallel
+    experts_per_layer: int  # routed experts: split over expert parallel x expert-tensor parallel
+    embeddings: int  # input embedding + output layer (untied) + final norm
+
+
+def param_counts(model) -> ParamCounts:
+    h = model.hidden_size
+    q = model.num_attention_heads * model.head_dim
+    kv = model.num_query_groups * model.head_dim
+    attention = h * (q + 2 * kv) + q * h + 2 * model.head_dim  # qkv, proj, q/k norms
+    dense = attention + 2 * h + model.num_experts * h  # input and pre-MLP norms, router
+    experts = model.num_experts * 3 * h * model.moe_ffn_hidden_size  # SwiGLU: fc1 (gate+up) and fc2
+    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2) + h
+    return ParamCounts(dense, experts, embeddings)
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One kind of GPU in the plan and what each role puts on it."""
+
+    gpu: str  # "trainer", "rollout" or "colocated"
+    count: int  # GPUs of this kind
+    parts: tuple[tuple[str, Part], ...]  # (role, part)
+
+    @property
+    def total(self) -> int:
+        return sum(p.bytes for _, p in self.parts)
+
+    def role_total(self, role: str) -> int:
+        return sum(p.bytes for r, p in self.parts if r == role)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    gpus: tuple[GpuMemory, ...]
+    budget_bytes: int | None  # parallelism.gpu_memory_gib, None: not checked
+    host_offload_bytes: int  # per trainer rank, optimizer state moved to host memory
+
+    def over_budget(self) -> list[GpuMemory]:
+        if self.budget_bytes is None:
+            return []
+        return [g for g in self.gpus if g.total > self.budget_bytes]
+
+
+def micro_batch_tokens(cfg: R3RLConfig) -> int:
+    tr = cfg.trainer
+    if tr.max_tokens_per_micro_batch is not None:
+        return tr.max_tokens_per_micro_batch
+    return tr.micro_batch_size * cfg.rollout.engine.max_model_len
+
+
+def trainer_parts(cfg: R3RLConfig, params_dtype: str) -> tuple[list[Part], int]:
+    """One trainer rank's parts and the bytes its optimizer keeps in host memory."""
+    m, t, tr = cfg.model, cfg.parallelism.trainer, cfg.trainer
+    tp, pp, ep, cp, etp = (t.tensor_parallel, t.pipeline_parallel, t.expert_parallel, t.context_parallel,
+                           t.expert_tensor_parallel)
+    counts = param_counts(m)
+    layers = -(-m.num_layers // pp)
+    dense = layers * counts.dense_per_layer // tp + counts.embeddings // tp
+    experts = layers * counts.experts_per_layer // (ep * etp)
+    width = DTYPE_BYTES[params_dtype]
+    local = dense + experts
+
+    distributed = tr.use_distributed_optimizer
+    dp = max(t.num_gpus // (tp * pp * cp), 1) * cp  # Megatron shards dense state over DP x CP
+    edp = max(t.num_gpus // (ep * etp * pp), 1)
+    dense_shard = dense / dp if distributed else dense
+    expert_shard = experts / edp if distributed else experts
+    master_width = 4 if width != 4 else 0
+    shard = dense_shard + expert_shard
+    on_host = tr.optimizer_offload_fraction if tr.optimizer_cpu_offload else 0.0
+
+    tokens = micro_batch_tokens(cfg) / cp
+    if t.sequence_parallel:
+        tokens /= tp
+    h = m.hidden_size
+    q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    attn_heads = (q + 2 * kv + q) / tp
+    moe = m.moe_topk * (h + 3 * m.moe_ffn_hidden_size / etp + h)  # permuted input, fc1 (gate, up), act, fc2 out
+    router = m.num_experts * 4 / width  # float32 logits and probabilities
+    per_layer_token = width * (4 * h + attn_heads + moe + router)
+    if tr.recompute_granularity == "full":
+        # kept: each layer's input; rebuilt: one layer's working set and its gradient
+        activations = tokens * width * h * layers + 2 * tokens * per_layer_token
+    else:
+        activations = tokens * per_layer_token * layers
+    full_tokens = micro_batch_tokens(cfg) / cp  # the output layer sees every token of the rank's sequence shard
+    logits = full_tokens * (m.vocab_size / tp) * (width + 4 + 4)
+
+    parts = [
+        Part("weights", int(local * width)),
+        Part("gradients", int(local * 4)),
+        Part("master weights", int(shard * master_width * (1 - on_host))),
+        Part("optimizer state", int(shard * 8 * (1 - on_host))),
+        Part("activations", int(activations)),
+        Part("logits", int(logits)),
+        Part("runtime", RUNTIME_BYTES if cfg.parallelism.device == "cuda" else 0),
+    ]
+    return parts, int(shard * (master_width + 8) * on_host)
+
+
+def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -> list[Part]:
+    """One engine GPU's share: its weights, and the KV cache in the rest of ``gpu_memory_utilization``."""
+    m, r, eng = cfg.model, cfg.parallelism.rollout, cfg.rollout.engine
+    counts = param_counts(m)
+    dense = (m.num_layers * counts.dense_per_layer + counts.embeddings) / r.tensor_parallel
+    expert_split = r.tensor_parallel * (r.data_parallel if r.expert_parallel else 1)
+    weights = int((dense + m.num_layers * counts.experts_per_layer / expert_split) * DTYPE_BYTES[engine_dtype])
+    if eng.kv_cache_memory_bytes is not None:
+        return [Part("engine weights", weights), Part("engine KV cache", eng.kv_cache_memory_bytes)]
+    if budget_bytes is None:
+        return [Part("engine weights", weights)]
+    share = int(eng.gpu_memory_utilization * budget_bytes)
+    return [Part("engine weights", weights), Part("engine KV cache + runtime", max(share - weights, 0))]
+
+
+def estimate(cfg: R3RLConfig, trainer_dtype: str, engine_dtype: str) -> MemoryPlan:
+    par = cfg.parallelism
+    budget = int(par.gpu_memory_gib * GIB) if par.gpu_memory_gib is not None else None
+    trainer, offloaded = trainer_parts(cfg, trainer_dtype)
+    engine = engine_parts(cfg, engine_dtype, budget)
+    if par.colocated:
+        gpus = (GpuMemory("colocated", par.trainer.num_gpus,
+                          tuple(("trainer", p) for p in trainer) + tuple(("rollout", p) for p in engine)),)
+    else:
+        gpus = (GpuMemory("trainer", par.trainer.num_gpus, tuple(("trainer", p) for p in trainer)),
+                GpuMemory("rollout", par.rollout.num_gpus, tuple(("rollout", p) for p in engine)))
+    return MemoryPlan(gpus=gpus, budget_bytes=budget, host_offload_bytes=offloaded)
+
+
+def engine_weights_fit(cfg: R3RLConfig, plan: MemoryPlan) -> bool:
+    """The engine's weights fit in its ``gpu_memory_utilization`` share (vLLM refuses to start otherwise)."""
+    eng = cfg.rollout.engine
+    if plan.budget_bytes is None or eng.kv_cache_memory_bytes is not None:
+        return True
+    weights = sum(p.bytes for g in plan.gpus for r, p in g.parts if p.name == "engine weights") // len(plan.gpus)
+    return weights < eng.gpu_memory_utilization * plan.budget_bytes
+
+
+# keys that shrink a trainer GPU, named when a plan does not fit
+TRAINER_FIXES = ("trainer.optimizer_cpu_offload=true", "trainer.recompute_granularity=full",
+                 "trainer.max_tokens_per_micro_batch / trainer.micro_batch_size (smaller)",
+                 "parallelism.trainer.expert_parallel / tensor_parallel (larger)",
+                 "parallelism.trainer.num_gpus (more)", "parallelism.gpu_memory_gib (if the GPUs are larger)")
+ENGINE_FIXES = ("rollout.engine.gpu_memory_utilization (smaller on colocated GPUs)",)
+
+
+def fixes(cfg: R3RLConfig) -> list[str]:
+    """The keys that would bring an over-budget plan down, the ones not already at their saving value first."""
+    tr = cfg.trainer
+    out = [k for k in TRAINER_FIXES
+           if not (k.startswith("trainer.optimizer_cpu_offload") and tr.optimizer_cpu_offload and
+                   tr.optimizer_offload_fraction == 1.0)
+           and not (k.startswith("trainer.recompute_granularity") and tr.recompute_granularity == "full")]
+    if cfg.parallelism.colocated:
+        out += list(ENGINE_FIXES)
+    return out
+
+
+def table(plan: MemoryPlan) -> dict:
+    """The plan as plain data in GiB (what the dry run prints)."""
+    def gib(b: float) -> float:
+        return round(b / GIB, 2)
+
+    out: dict = {}
+    for g in plan.gpus:
+        rows: dict = {}
+        for role, p in g.parts:
+            rows.setdefault(role, {})[p.name] = gib(p.bytes)
+        for role in rows:
+            rows[role]["total"] = gib(g.role_total(role))
+        out[f"{g.gpu} GPU (x{g.count})"] = {**rows, "total": gib(g.total)}
+    out["budget per GPU"] = gib(plan.budget_bytes) if plan.budget_bytes is not None else "not checked"
+    out["optimizer state in host memory per trainer rank"] = gib(plan.host_offload_bytes)
+    return out

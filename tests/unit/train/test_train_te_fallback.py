@@ -1,0 +1,42 @@
+"""Without TransformerEngine (or Apex) Megatron still trains, on a GPU as on a CPU: missing kernels are turned off."""
+
+from __future__ import annotations
+
+import pytest
+
+from r3rl.plan import GPU_SPEED_SETTINGS
+from r3rl.train import te_fallback
+
+ALL_ON = dict.fromkeys(GPU_SPEED_SETTINGS, True)
+
+
+def test_without_te_the_te_kernels_go_and_megatrons_own_stays():
+    out, missing = te_fallback.available_kernels(ALL_ON, have_te=False, have_apex_fusion=False)
+    assert set(missing) == {"apply_rope_fusion", "moe_permute_fusion", "moe_grouped_gemm",
+                            "gradient_accumulation_fusion"}
+    assert out["bias_activation_fusion"] is True and not any(out[k] for k in missing)
+    with_apex, missing = te_fallback.available_kernels(ALL_ON, have_te=False, have_apex_fusion=True)
+    assert with_apex["gradient_accumulation_fusion"] is True and "gradient_accumulation_fusion" not in missing
+
+
+def test_with_te_every_setting_stays():
+    out, missing = te_fallback.available_kernels(ALL_ON, have_te=True, have_apex_fusion=False)
+    assert out == ALL_ON and missing == []
+
+
+def test_precision_aware_optimizer_needs_te():
+    settings = {"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True}
+    out, missing = te_fallback.optimizer_settings(settings, have_te=False)
+    assert out["use_precision_aware_optimizer"] is False and missing == ["use_precision_aware_optimizer"]
+    assert te_fallback.optimizer_settings(settings, have_te=True)[0] == settings
+
+
+@pytest.mark.skipif(te_fallback.have_transformer_engine(), reason="checks the install without TransformerEngine")
+def test_router_gemm_guard_selects_torch_without_te():
+    from megatron.core.transformer.moe import moe_utils
+
+    te_fallback.guard_router_gemm()
+    assert moe_utils.te_general_gemm is None
+    with pytest.warns(UserWarning, match="apply_rope_fusion"):
+        kept = te_fallback.drop_missing_kernels(ALL_ON)
+    assert kept["apply_rope_fusion"] is False and kept["bias_activation_fusion"] is True
