@@ -134,13 +134,15 @@ class Launch2:
         path = self.log_dir(job) / "launcher.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def assert_nothing_left(self, job: str, timeout: float = 60) -> None:
+    def assert_nothing_left(self, job: str, timeout: float = 60, dead: str | None = None) -> None:
         """No process of the job on either host (by SLURM_JOB_ID in the environment or its Ray folders in the
-        command line), no Ray folder of it, and each host runs nothing but its slurmd (and A its slurmctld)."""
+        command line), no Ray folder of it (but the one of a `dead` host: nothing there could remove it), and each
+        host runs nothing but its slurmd (and A its slurmctld)."""
         marker = f"{self.ray_tmp}/r3rl-ray-{job}-"
         daemons = set(self.slurm.pids())
         # slurmctld's own helper (slurmscriptd) runs beside it on host A
-        daemons |= {pid for pid in self.hosts.pids(self.hosts.hosts[0]) if _ppid(pid) == self.slurm.procs["slurmctld"].pid}
+        ctld = self.slurm.procs["slurmctld"].pid
+        daemons |= {pid for pid in self.hosts.pids(self.hosts.hosts[0]) if _ppid(pid) == ctld}
         deadline = time.monotonic() + timeout
         while True:
             left = processes_of_job(job, marker)
@@ -151,7 +153,7 @@ class Launch2:
                 break
             time.sleep(0.5)
         assert not left, f"processes of job {job} still running: {left}"
-        dirs = list(self.ray_tmp.glob(f"r3rl-ray-{job}-*"))
+        dirs = [d for d in self.ray_tmp.glob(f"r3rl-ray-{job}-*") if d.name != f"r3rl-ray-{job}-{dead}"]
         assert not dirs, f"Ray temp dirs of job {job} left behind: {dirs}"
 
 

@@ -188,8 +188,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def _spawn(self, name: str, argv: list[str], node: str | None = None) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "ab")
         self.procs[name] = subprocess.Popen(
-            self.on_node(node, argv) if node else argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-            start_new_session=True,
+            self.on_node(node, argv) if node else argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.env, start_new_session=True,
         )
         log.close()
 
