@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +32,14 @@ def _ready(pg, what: str) -> None:
 
 def plan_nodes(nnodes: int) -> list[str]:
     """IPs of the Ray nodes standing for the plan's nodes 0..nnodes-1: node 0 is the driver's (the head node under
-    slurm/ray.sub, where the trainer goes), the others in address order."""
+    slurm/ray.sub, where the trainer goes), or the head's when the driver runs outside the cluster; the others in
+    sorted order of their addresses."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    ips = {n["NodeManagerAddress"] for n in alive}
     me = ray.util.get_node_ip_address()
-    others = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")} - {me}, key=ipaddress.ip_address)
-    nodes = [me, *others]
+    if me not in ips:
+        me = next((n["NodeManagerAddress"] for n in alive if "node:__internal_head__" in n["Resources"]), me)
+    nodes = [me, *sorted(ips - {me})]
     if len(nodes) < nnodes:
         raise PlacementTimeout(f"parallelism.nnodes={nnodes} but the Ray cluster has {len(nodes)} live node(s): "
                                f"{', '.join(nodes)}")
