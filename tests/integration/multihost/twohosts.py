@@ -115,11 +115,13 @@ class TwoHosts:
 
     def down(self, timeout: float = 30) -> list[str]:
         """Stop what still runs in the namespaces (by PID), then delete them (the veth pair goes with them).
-        Returns what could not be removed."""
+        Returns what was still running there and what could not be removed."""
         problems = []
         for h in self.hosts:
             if not Path(f"/var/run/netns/{h.netns}").exists():
                 continue
+            if found := self.pids(h):
+                problems.append(f"processes {found} still ran on {h.name} at tear-down (killed now)")
             deadline = time.monotonic() + timeout
             while (pids := self.pids(h)) and time.monotonic() < deadline:
                 self.kill_host(h)
