@@ -124,7 +124,15 @@ class GRPORecipe:
             for step in range(self.start_step, cfg.run.num_steps + 1):
                 if self.stop:  # arrived during setup: nothing new to save
                     raise StopRequested(step - 1)
-                self.train_step(step, next(batches))
+                try:
+                    self.train_step(step, next(batches))
+                except Exception as err:
+                    # an engine whose node went down surfaces as whatever call reached it first: name the engine
+                    if dead := self.engines.dead():
+                        first = (str(err).splitlines() or [""])[0]
+                        raise EngineError(f"step {step}: engine(s) {', '.join(dead)} went down "
+                                          f"({type(err).__name__}: {first}); this step was not saved") from err
+                    raise
                 bar.advance(task)
                 if step % cfg.run.save_every == 0 or step == cfg.run.num_steps or self.stop:
                     self.save(step)

@@ -60,6 +60,8 @@ args+=($EXTRA_RAY_ARGS)
 
 r3rl_check_ports "$check_ip" "${node_ports[@]}"
 mkdir -p "$tmp" "$LOG_DIR/pids"
+# the launcher stops a worker by this PID (from a step on this node), so its clean-up below runs in full
+echo "$$" > "$LOG_DIR/pids/agent-$role-$node"
 
 ray_pid=""
 stopping=0

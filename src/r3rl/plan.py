@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r3rl import memory
@@ -22,6 +22,12 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # in Python. Where TransformerEngine is missing, r3rl.train.te_fallback turns off the ones it provides, with a warning.
 GPU_SPEED_SETTINGS = ("moe_grouped_gemm", "moe_permute_fusion", "gradient_accumulation_fusion", "apply_rope_fusion",
                       "bias_activation_fusion")
+
+
+def node_ip_placeholder(node: int) -> str:
+    """Stands for the IP of plan node ``node``: only Ray on that node knows it, so the plan (pure) carries this and
+    the engine's host actor replaces it at launch (``with_node_ip``)."""
+    return f"<ip of node {node}>"
 
 
 @dataclass(frozen=True)
@@ -87,13 +93,35 @@ def server_command(device: str, checkpoint: str) -> list[str]:
     return ["vllm", "serve", checkpoint]
 
 
-def engine_argv(cfg: R3RLConfig, port: int, dtype: str) -> list[str]:
+def engine_bind_host(cfg: R3RLConfig, node: int) -> str:
+    """What the vLLM servers bind to (``rollout.engine.host``). ``auto``: loopback when the job has one node, else
+    the node's own cluster address, so the driver and trainer on other nodes reach them and nothing else does."""
+    host = cfg.rollout.engine.host
+    if host == "auto":
+        return "127.0.0.1" if cfg.parallelism.nnodes == 1 else node_ip_placeholder(node)
+    return host
+
+
+def engine_url_host(cfg: R3RLConfig, node: int) -> str:
+    """The host other processes use to reach an engine: its bind address, or its node's IP when bound to all."""
+    bind = engine_bind_host(cfg, node)
+    return node_ip_placeholder(node) if bind in ("0.0.0.0", "::") else bind
+
+
+def with_node_ip(launch: EngineLaunch, node_ip: str) -> EngineLaunch:
+    """``launch`` with its node's placeholder replaced by the address of the node that runs it (Ray's, there)."""
+    mark = node_ip_placeholder(launch.node)
+    return replace(launch, host=launch.host.replace(mark, node_ip),
+                   argv=tuple(a.replace(mark, node_ip) for a in launch.argv))
+
+
+def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
     m, ro, par = cfg.model, cfg.rollout, cfg.parallelism
     eng = ro.engine
     argv = [
         *server_command(par.device, m.checkpoint),
         "--served-model-name", m.name,
-        "--host", eng.host,
+        "--host", engine_bind_host(cfg, node),
         "--port", str(port),
         "--dtype", dtype,
         "--seed", str(ro.sampling.seed),
@@ -243,9 +271,9 @@ def build_plan(cfg: R3RLConfig) -> LaunchPlan:
     if cfg.rollout.engine.url is None:
         engines = tuple(
             EngineLaunch(
-                index=e.index, node=e.node, gpus=e.gpus, host=cfg.rollout.engine.host,
+                index=e.index, node=e.node, gpus=e.gpus, host=engine_url_host(cfg, e.node),
                 port=cfg.rollout.engine.base_port + e.index,
-                argv=tuple(engine_argv(cfg, cfg.rollout.engine.base_port + e.index, engine_dtype)),
+                argv=tuple(engine_argv(cfg, cfg.rollout.engine.base_port + e.index, engine_dtype, e.node)),
                 env=engine_env(cfg, e.gpus),
             )
             for e in placement.engines

@@ -90,7 +90,7 @@ class ParallelismConfig(Frozen):
 @dataclass
 class EngineConfig(Frozen):
     url: Optional[str] = None
-    host: str = "127.0.0.1"
+    host: str = "auto"
     base_port: int = 8100
     dtype: str = "auto"
     max_model_len: int = 4096

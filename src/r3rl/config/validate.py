@@ -169,6 +169,16 @@ def validate(cfg: R3RLConfig) -> None:
     check(1024 <= ro.engine.base_port and ro.engine.base_port + par.rollout.num_engines <= 65535,
           "rollout.engine.base_port", f"engines need ports {ro.engine.base_port}..+{par.rollout.num_engines} in 1024-65535")
     check(ro.engine.max_concurrency >= 1, "rollout.engine.max_concurrency", "must be >= 1")
+    # several nodes: the driver on node 0 must reach every engine, and a fixed address exists on one node only
+    host = ro.engine.host
+    if par.nnodes > 1 and host not in ("auto", "0.0.0.0", "::"):
+        check(host not in ("localhost", "::1") and not host.startswith("127."), "rollout.engine.host",
+              f"{host} is loopback: with parallelism.nnodes={par.nnodes} the driver and trainer on other nodes cannot "
+              "reach the engines there; use auto (each node's cluster address) or that interface's address")
+        first = 0 if par.colocated else par.trainer.num_gpus
+        nodes = {(first + i * per_engine) // par.gpus_per_node for i in range(par.rollout.num_engines)}
+        check(len(nodes) == 1, "rollout.engine.host",
+              f"one address ({host}) for engines on nodes {sorted(nodes)}: it exists on one node only; use auto")
     check(ro.engine.startup_timeout_s > 0, "rollout.engine.startup_timeout_s", "must be > 0")
     check(0.0 < ro.engine.gpu_memory_utilization <= 1.0, "rollout.engine.gpu_memory_utilization",
           f"must be in (0, 1], got {ro.engine.gpu_memory_utilization}")

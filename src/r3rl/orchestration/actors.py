@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import ray
 
 from r3rl.config.schema import R3RLConfig
 from r3rl.net import free_port
-from r3rl.plan import EngineLaunch
+from r3rl.plan import EngineLaunch, with_node_ip
 
 
 @ray.remote
@@ -27,7 +28,8 @@ class TrainerActor:
         return host, free_port(host)
 
     def devices(self) -> dict[str, Any]:
-        return {"rank": self.rank, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        return {"rank": self.rank, "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
 
     def setup(self, cfg: R3RLConfig, master_addr: str, master_port: int) -> None:
@@ -61,6 +63,9 @@ class EngineHost:
               cuda_visible_devices: str | None) -> dict[str, Any]:
         from r3rl.rollout.engine import VLLMEngine
 
+        # on a multi-node plan the engine binds to, and is reached at, this node's address as Ray knows it
+        node_ip = ray.util.get_node_ip_address()
+        launch = with_node_ip(launch, node_ip)
         env = dict(launch.env)
         if cuda_visible_devices is not None:
             # the GPUs Ray actually gave this engine (or, colocated, the ones its trainer ranks hold)
@@ -68,7 +73,10 @@ class EngineHost:
         else:
             env.pop("CUDA_VISIBLE_DEVICES", None)
         self.engine = VLLMEngine.launch(dataclasses.replace(launch, env=env), Path(log_dir), startup_timeout_s)
-        return {"url": self.engine.url, "pid": self.engine.pid, "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES")}
+        # the Slurm node (Ray's workers inherit the raylet's environment, which srun gave it), else the host name
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        return {"url": self.engine.url, "pid": self.engine.pid, "node": node, "node_ip": node_ip,
+                "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES")}
 
     def alive(self) -> bool:
         return self.engine is not None and self.engine.is_alive()

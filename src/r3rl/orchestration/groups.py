@@ -30,12 +30,38 @@ def _ready(pg, what: str) -> None:
         ) from None
 
 
+def plan_nodes(nnodes: int) -> list[str]:
+    """IPs of the Ray nodes standing for the plan's nodes 0..nnodes-1: node 0 is the driver's (the head node under
+    slurm/ray.sub, where the trainer goes), or the head's when the driver runs outside the cluster; the others in
+    sorted order of their addresses."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    ips = {n["NodeManagerAddress"] for n in alive}
+    me = ray.util.get_node_ip_address()
+    if me not in ips:
+        me = next((n["NodeManagerAddress"] for n in alive if "node:__internal_head__" in n["Resources"]), me)
+    nodes = [me, *sorted(ips - {me})]
+    if len(nodes) < nnodes:
+        raise PlacementTimeout(f"parallelism.nnodes={nnodes} but the Ray cluster has {len(nodes)} live node(s): "
+                               f"{', '.join(nodes)}")
+    return nodes[:nnodes]
+
+
+def pinned(bundles: list[dict[str, float]], nodes: list[int], ips: list[str] | None) -> list[dict[str, float]]:
+    """Bundles held to the plan's nodes through Ray's built-in ``node:<ip>`` resource (a sliver of it), so the
+    trainer lands on node 0 and each engine on its node; ``ips`` None (one node) leaves them free."""
+    if ips is None:
+        return bundles
+    return [{**b, f"node:{ips[n]}": 0.001} for b, n in zip(bundles, nodes)]
+
+
 class TrainerGroup:
     """``parallelism.trainer.num_gpus`` Megatron ranks, one Ray actor each, rank r on trainer bundle r."""
 
     def __init__(self, cfg: R3RLConfig, plan: LaunchPlan, *, loopback: bool):
         p = plan.placement
-        self.pg = placement_group(p.bundles("trainer"), strategy="PACK", name="r3rl-trainer")
+        self.node_ips = plan_nodes(cfg.parallelism.nnodes) if cfg.parallelism.nnodes > 1 else None
+        bundles = pinned(p.bundles("trainer"), [g.node for g in p.trainer], self.node_ips)
+        self.pg = placement_group(bundles, strategy="PACK", name="r3rl-trainer")
         _ready(self.pg, "trainer")
         # Colocated engines share these GPUs: each rank takes half of its GPU's bundle so Ray accounts for both.
         gpus = 0.5 if p.colocated else 1.0
@@ -75,6 +101,7 @@ class EngineGroup:
         self.pg = None
         self.attached = None
         self.info: list[dict[str, Any]] = []
+        self.lost: set[str] = set()  # engines found gone: shutdown does not wait on their hosts
         if plan.attach_url:
             self.attached = VLLMEngine.attach(plan.attach_url)
             self.urls = [self.attached.url]
@@ -90,7 +117,9 @@ class EngineGroup:
                 options.append((dict(num_gpus=0, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     trainers.pg, placement_group_bundle_index=ranks[0])), visible))
         else:
-            self.pg = placement_group(p.bundles("rollout"), strategy="PACK", name="r3rl-rollout")
+            ips = plan_nodes(cfg.parallelism.nnodes) if cfg.parallelism.nnodes > 1 else None
+            bundles = pinned(p.bundles("rollout"), [e.node for e in plan.engines], ips)
+            self.pg = placement_group(bundles, strategy="PACK", name="r3rl-rollout")
             _ready(self.pg, "rollout")
             options = [(dict(num_gpus=len(e.gpus), num_cpus=p.cpus_per_bundle,
                              scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -106,17 +135,28 @@ class EngineGroup:
         self.info = ray.get(starts)
         self.urls = [i["url"] for i in self.info]
 
-    def dead(self) -> list[str]:
-        """URLs of engines whose server process is gone."""
+    def dead(self, timeout_s: float = 10.0) -> list[str]:
+        """The engines whose server process is gone, or whose host actor does not answer (its node is down), each
+        named with its URL and node."""
         if self.attached is not None:
             return [] if self.attached.is_alive() else list(self.urls)
-        alive = ray.get([h.alive.remote() for h in self.hosts])
-        return [url for url, ok in zip(self.urls, alive) if not ok]
+        refs = [h.alive.remote() for h in self.hosts]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for ref, url, info in zip(refs, self.urls, self.info):
+            try:
+                ok = ref in ready and ray.get(ref)
+            except ray.exceptions.RayError:  # the actor died, with its node
+                ok = False
+            if not ok:
+                self.lost.add(url)
+                out.append(f"{url} on node {info.get('node', '?')}")
+        return out
 
     def shutdown(self) -> None:
-        for host in self.hosts:
+        for host, url in zip(self.hosts, self.urls):
             try:
-                ray.get(host.shutdown.remote(), timeout=120)
+                ray.get(host.shutdown.remote(), timeout=5 if url in self.lost else 120)
             except Exception:  # the host died with its engine: its process group was killed with it
                 pass
             ray.kill(host)

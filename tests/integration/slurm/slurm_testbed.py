@@ -82,6 +82,10 @@ class Testbed:
     nodes: tuple[str, ...] = ("n1", "n2")
     gpus_per_node: int = 8
     cpus_per_node: int = 2
+    # Where each node's slurmd listens; slurmctld (and every client) on the first node's address. Each address may
+    # belong to a network namespace of its own (`netns`: node -> namespace), which then is that node's host.
+    addrs: dict[str, str] = field(default_factory=dict)
+    netns: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,6 +95,17 @@ class Testbed:
         self.ctld_port = free_port()
         self.node_ports = {n: free_port() for n in self.nodes}
         self.first_job_id = random.randrange(100_000, 60_000_000)
+        self.addrs = {n: self.addrs.get(n, "127.0.0.1") for n in self.nodes}
+        self.ctld_addr = self.addrs[self.nodes[0]]
+
+    def on_node(self, node: str, argv: list[str]) -> list[str]:
+        """`argv` run on `node`'s host (inside its network namespace, when it has one)."""
+        # nsenter, not `ip netns exec`: that one also mounts a sysfs of its own, without the cgroup mount slurmd reads
+        return ["nsenter", f"--net=/var/run/netns/{self.netns[node]}", *argv] if node in self.netns else list(argv)
+
+    def client(self, argv: list[str]) -> list[str]:
+        """A Slurm client command as run on the controller's host."""
+        return self.on_node(self.nodes[0], argv)
 
     # ---------------------------------------------------------------- set-up
     @property
@@ -113,7 +128,7 @@ class Testbed:
                 os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))
         host = socket.gethostname().split(".")[0]
         node_lines = "\n".join(
-            f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={self.node_ports[n]} "
+            f"NodeName={n} NodeHostname={host} NodeAddr={self.addrs[n]} Port={self.node_ports[n]} "
             f"CPUs={self.cpus_per_node} Gres=gpu:{self.gpus_per_node} State=UNKNOWN"
             for n in self.nodes
         )
@@ -122,15 +137,14 @@ class Testbed:
 ClusterName=r3rltest
 # job ids of their own, so that two testbeds on one machine never share one (processes are told apart by it)
 FirstJobId={self.first_job_id}
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({self.ctld_addr})
 SlurmctldPort={self.ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
-# both daemons listen on 127.0.0.1 only
-CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
+{self._listen_conf()}
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/state/slurmctld.pid
@@ -164,11 +178,18 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         # the package's /etc/slurm/plugstack.conf would be read otherwise
         (self.root / "etc" / "plugstack.conf").write_text("")
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _listen_conf(self) -> str:
+        if self.netns:
+            # each daemon is alone in its namespace (a veth address and loopback): it listens on all of them, since
+            # with NoInAddrAny Slurm binds to what the shared host name resolves to, not to the node's address
+            return "# daemons in network namespaces of their own listen on every address there"
+        return "# both daemons listen on 127.0.0.1 only\nCommunicationParameters=NoInAddrAny,NoCtldInAddrAny"
+
+    def _spawn(self, name: str, argv: list[str], node: str | None = None) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "ab")
         self.procs[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-            start_new_session=True,
+            self.on_node(node, argv) if node else argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.env, start_new_session=True,
         )
         log.close()
 
@@ -183,7 +204,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         raise TestbedError(f"timed out after {timeout:.0f}s waiting for {what}; see {self.root}/log")
 
     def run(self, *argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-        done = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(self.client(list(argv)), env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
             raise TestbedError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
         return done
@@ -198,10 +219,10 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         ])
         self._wait("munged's socket", self.munge_socket.exists, timeout, "munged")
         # -c: a cold start, ignoring any saved state of an earlier testbed in the same folder
-        self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
+        self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)], self.nodes[0])
         self._wait("slurmctld", lambda: self.run("scontrol", "ping", check=False).returncode == 0, timeout, "slurmctld")
         for n in self.nodes:
-            self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n, "-f", str(self.conf)])
+            self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n, "-f", str(self.conf)], n)
         self._wait("every node idle", self._all_idle, timeout)
         return self
 
@@ -216,7 +237,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     # ---------------------------------------------------------------- jobs
     def sbatch(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
         done = subprocess.run(
-            ["sbatch", "--parsable", *args], env={**self.env, **(env or {})}, cwd=cwd,
+            self.client(["sbatch", "--parsable", *args]), env={**self.env, **(env or {})}, cwd=cwd,
             capture_output=True, text=True, timeout=60,
         )
         if done.returncode != 0:

@@ -120,3 +120,28 @@ def test_optimizer_offload_reaches_megatrons_options():
 
 def compose_list(*overrides: str):
     return compose(list(overrides))
+
+
+def test_engines_of_a_multi_node_plan_bind_to_their_nodes_address(compose_cfg):
+    """One node keeps loopback; on two, each engine binds to and is reached at its node's IP, which only Ray on
+    that node knows: the plan names it, the engine's host actor fills it in."""
+    from r3rl.plan import with_node_ip
+
+    one = build_plan(compose_cfg("parallelism=cpu"))
+    assert [e.url for e in one.engines] == ["http://127.0.0.1:8100"]
+    two = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_2n_8p8"))
+    assert [(e.node, e.url) for e in two.engines] == [(1, "http://<ip of node 1>:8100"),
+                                                      (1, "http://<ip of node 1>:8101")]
+    launched = with_node_ip(two.engines[0], "10.1.2.3")
+    assert launched.url == "http://10.1.2.3:8100"
+    assert launched.argv[launched.argv.index("--host") + 1] == "10.1.2.3"
+    assert not any("<ip of" in a for a in launched.argv)
+
+
+def test_engine_host_key_chooses_the_bind_address(compose_cfg):
+    base = ("model=qwen3_30b", "parallelism=disaggregated_2n_8p8")
+    every = build_plan(compose_cfg(*base, "rollout.engine.host=0.0.0.0")).engines[0]
+    # bound to every interface, reached at the node's own address
+    assert every.argv[every.argv.index("--host") + 1] == "0.0.0.0" and every.url == "http://<ip of node 1>:8100"
+    fixed = build_plan(compose_cfg(*base, "rollout.engine.host=192.168.7.9")).engines[0]
+    assert fixed.argv[fixed.argv.index("--host") + 1] == "192.168.7.9" and fixed.url == "http://192.168.7.9:8100"

@@ -82,3 +82,16 @@ def test_no_replay_baseline_accepts_router_fusion():
 def test_qwen3_30b_parameter_estimate_matches_published_size():
     cfg = compose(["model=qwen3_30b", GPU])
     assert 30.0e9 < estimate_params(cfg.model) < 31.0e9  # Qwen3-30B-A3B: 30.5B parameters
+
+
+def test_engine_host_unreachable_from_other_nodes_is_refused(compose_cfg):
+    base = ("model=qwen3_30b", "parallelism=disaggregated_2n_8p8")
+    with pytest.raises(ConfigError, match=r"rollout.engine.host: 127.0.0.1 is loopback"):
+        compose_cfg(*base, "rollout.engine.host=127.0.0.1")
+    with pytest.raises(ConfigError, match=r"engine.host: one address \(10.0.0.5\) for engines on nodes \[1, 2\]"):
+        compose_cfg(*base, "parallelism.nnodes=3",
+                    "parallelism.rollout.num_gpus=16", "parallelism.rollout.num_engines=4",
+                    "rollout.engine.host=10.0.0.5")
+    # one node: loopback is right; several: an address of the one node holding the engines is fine
+    compose_cfg("parallelism=cpu", "rollout.engine.host=127.0.0.1")
+    compose_cfg(*base, "rollout.engine.host=10.0.0.5")

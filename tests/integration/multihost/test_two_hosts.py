@@ -1,0 +1,123 @@
+"""slurm/ray.sub and the recipe on two hosts (network namespaces joined by a veth pair): Ray across both, the
+trainer on host A and the vLLM engine on host B reached at B's address, and a host that dies mid-run."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from r3rl import checkpoint
+from r3rl import metrics as M
+from r3rl.tracking.offline_reader import read_runs
+
+pytestmark = pytest.mark.integration
+slow = pytest.mark.slow
+
+JOB_TIMEOUT = 240
+RUN_TIMEOUT = 900
+
+
+def _wait_for(predicate, what: str, launch2, job: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        state = launch2.slurm.job(job).get("JobState")
+        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+            pytest.fail(f"job {job} ended ({state}) before {what}:\n{launch2.output(job)[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout:.0f}s:\n{launch2.output(job)[-4000:]}")
+        time.sleep(1)
+    return value
+
+
+def test_two_node_job_brings_ray_up_on_both_hosts_and_tears_it_down(slurm2, launch2, hosts):
+    a, b = hosts.hosts
+    job = launch2.submit("--nodes=2", "--gres=gpu:1", overrides=("parallelism=cpu_2n", "run.dry_run=true"))
+    info = slurm2.wait_job(job, JOB_TIMEOUT)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), launch2.output(job)
+
+    logs = launch2.log_dir(job)
+    report = json.loads((logs / "ray-cluster.json").read_text())
+    assert report["cluster_resources"]["GPU"] == 2
+    nodes = {n["slurm_node"]: n for n in report["nodes"]}
+    assert sorted(nodes) == [a.name, b.name]
+    for h in (a, b):
+        # each host joined at its own address, with the GPU Slurm gave it there
+        assert nodes[h.name]["node_ip"] == h.ip
+        assert nodes[h.name]["ray_gpus"] == 1
+        assert len(nodes[h.name]["cuda_visible_devices"].split(",")) == 1
+
+    driver = (logs / "driver.log").read_text()
+    assert f"address: {a.ip}:" in driver, driver
+    # the plan of a 2-node job: engines bind to and are reached at their node's address, resolved on that node
+    assert re.search(r"url: http://<ip of node 1>:\d+\n\s+node: 1\n", driver), driver
+
+    assert f"stopped: no Ray process of {job}.{a.name}.head left" in (logs / f"ray-head-{a.name}.log").read_text()
+    assert f"stopped: no Ray process of {job}.{b.name}.worker left" in (logs / f"ray-worker-{b.name}.log").read_text()
+    assert "phase done: exit code 0" in launch2.launcher_log(job)
+    launch2.assert_nothing_left(job)
+
+
+@slow
+def test_recipe_trains_on_host_a_and_serves_from_host_b(slurm2, launch2, hosts, tmp_path):
+    """parallelism=cpu_2n: the trainer on host A, the vLLM engine on host B; rollouts with routed experts, replay,
+    and weight sync all cross the veth, and W&B (offline) gets both mismatch metrics at every step."""
+    a, b = hosts.hosts
+    out = tmp_path / "run"
+    job = launch2.submit("--nodes=2", "--gres=gpu:1", overrides=(
+        "parallelism=cpu_2n", f"run.output_dir={out}", "run.num_steps=2", "logger.wandb.mode=offline"))
+    info = slurm2.wait_job(job, RUN_TIMEOUT)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), launch2.output(job)[-6000:]
+
+    table = json.loads((out / "processes.json").read_text())
+    [engine] = table["engines"]
+    assert engine["url"].startswith(f"http://{b.ip}:") and engine["node"] == b.name, engine
+    assert [t["node"] for t in table["trainers"]] == [a.name], table["trainers"]
+
+    [run] = read_runs(out)
+    steps = {row["_step"]: row for row in run.history}
+    assert sorted(steps) == [1, 2]
+    for step, row in steps.items():
+        for key in (M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.perf_time_key("weight_sync")):
+            assert key in row, f"step {step} lacks {key}"
+        # the routes came back from host B and Megatron on host A replayed exactly them
+        assert row["r3/replayed_routes_equal"] == 1.0
+        assert row[M.MISSING_ROUTE_FRACTION] == 0.0
+    assert checkpoint.read_meta(checkpoint.latest(out)).step == 2
+    launch2.assert_nothing_left(job)
+
+
+@slow
+def test_host_that_dies_mid_run_ends_the_job_naming_it(slurm2, launch2, hosts, tmp_path):
+    """Host B (the engine's) loses every process at once, slurmd included. The job must end within 60 s with an
+    error that names host B, and the checkpoint written before must be whole. Runs last: host B stays dead."""
+    a, b = hosts.hosts
+    out = tmp_path / "run"
+    job = launch2.submit("--nodes=2", "--gres=gpu:1", overrides=(
+        "parallelism=cpu_2n", f"run.output_dir={out}", "run.num_steps=50", "run.save_every=1",
+        "logger.wandb.mode=offline"))
+    latest = out / "checkpoints" / "latest"
+    _wait_for(latest.exists, "the first checkpoint", launch2, job, RUN_TIMEOUT)
+    killed = hosts.kill_host(b)
+    t0 = time.monotonic()
+    assert killed, "host B ran nothing"
+
+    deadline = t0 + 120
+    while not (done := re.search(r"phase done: exit code (\d+)", launch2.launcher_log(job))):
+        assert time.monotonic() < deadline, f"the job did not end within 120 s:\n{launch2.output(job)[-6000:]}"
+        time.sleep(0.5)
+    elapsed = time.monotonic() - t0
+    text = launch2.output(job)
+    assert done.group(1) != "0", text[-6000:]
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end after host B died:\n{text[-6000:]}"
+    assert re.search(rf"error: .*{b.name}", text), text[-6000:]
+
+    print(f"host B killed: the job's launcher ended {elapsed:.1f} s later")
+    ckpt = checkpoint.latest(out)
+    meta = checkpoint.read_meta(ckpt)
+    assert meta.step >= 1 and any((ckpt / "trainer").iterdir()), ckpt
+    launch2.assert_nothing_left(job, dead=b.name)
+    # what an admin does with a node that died: Slurm stops waiting for it to finish the job
+    slurm2.run("scontrol", "update", f"nodename={b.name}", "state=down", "reason=killed by the test")
