@@ -4,6 +4,7 @@ then waits to be interrupted (Ctrl-C) or killed. Usage: ``python engine_driver.p
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,9 @@ from r3rl.rollout.engine import VLLMEngine  # noqa: E402
 
 
 def main() -> None:
+    # a shell starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt: take
+    # Ctrl-C back so the test means the same however pytest itself was started
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = engine_cfg(*sys.argv[2:])
     launch = build_plan(cfg).engines[0]
     with VLLMEngine.launch(launch, Path(sys.argv[1]), cfg.rollout.engine.startup_timeout_s) as engine:
