@@ -37,6 +37,7 @@ from r3rl.rollout.engine import EngineError
 from r3rl.rollout.store import save_rollout
 from r3rl.rollout.weights import update_weights_from_hf
 from r3rl.sample import Sample, SampleStatus
+from r3rl.tracking.finished import finished_step, report_finished
 from r3rl.tracking.offline_reader import read_runs
 from r3rl.tracking.summary import print_summary
 from r3rl.tracking.wandb_logger import WandbLogger
@@ -234,6 +235,10 @@ class GRPORecipe:
 
 
 def run_recipe(cfg: R3RLConfig) -> None:
+    done = finished_step(cfg)
+    if done is not None:  # run.py settles this before Hydra starts; a sweep's job or an in-process caller here
+        report_finished(cfg, done)
+        return
     recipe = GRPORecipe(cfg)
     code = 0
     try:
