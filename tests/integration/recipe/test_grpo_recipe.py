@@ -50,6 +50,19 @@ def test_run_leaves_checkpoint_and_nothing_running(r3_run):
     assert_nothing_left(r3_run)
 
 
+def test_a_second_run_of_a_finished_run_starts_nothing(r3_run):
+    processes = (r3_run / "processes.json").read_text()
+    segments = sorted(r3_run.glob("wandb/offline-run-*"))
+    out = run_recipe(r3_run, "run.num_steps=2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = " ".join(out.stdout.split())
+    assert "already finished: step 2 of run.num_steps=2" in text and M.LOGPROB_ABS_DIFF in text
+    assert "run.num_steps=N" in text
+    # no Ray session, engine or trainer (their PIDs would be in a new process table), no new W&B segment
+    assert (r3_run / "processes.json").read_text() == processes
+    assert sorted(r3_run.glob("wandb/offline-run-*")) == segments
+
+
 def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "preempted"
     proc = start_recipe(run_dir, "run.num_steps=3", "run.save_every=1")
