@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 # a quarter of the default run's step (16 samples, not 64): these tests check behaviour, not the figures
-SMALL_STEP = ("algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4", "algorithm.global_batch_size=8")
+SMALL_STEP = ("algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4")
 
 
 def recipe_cmd(run_dir: Path, *overrides: str) -> list[str]:
