@@ -4,6 +4,9 @@
     python run.py model=qwen3_30b rollout=vllm_r3 parallelism=disaggregated_4p4
     python run.py ... run.dry_run=true              # print the launch plan, start nothing
     python run.py -m rollout=vllm,vllm_r3           # R3 and baseline, one run each
+
+A single run is composed and checked before Hydra's app starts, because the app writes ``.hydra/`` and ``run.log``
+into the run folder first: a dry run, a refused config and a run that already finished write nothing there.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from r3rl.config import ConfigError, load_config, register_configs
+from r3rl.config import ConfigError, compose, load_config, register_configs
 from r3rl.platform import default_parallelism
+
+# flags of Hydra's app (multirun, --cfg, --help, ...): those command lines go to the app unchecked
+_APP_FLAG = "-"
 
 
 def _with_default_parallelism(argv: list[str]) -> list[str]:
@@ -24,6 +30,37 @@ def _with_default_parallelism(argv: list[str]) -> list[str]:
     if any(a in ("--help", "-h", "--info", "--cfg", "-c", "--hydra-help") for a in argv[1:]):
         return argv
     return argv + [f"parallelism={default_parallelism()}"]
+
+
+def settle_before_start(argv: list[str]) -> None:
+    """Exit here when the single run ``argv`` describes needs no run folder: a dry run (print the plan), a config
+    or machine that is refused (exit 2), or a run that already reached ``run.num_steps`` (print its summary)."""
+    if any(a.startswith(_APP_FLAG) for a in argv[1:]):
+        return
+    from hydra.errors import HydraException
+
+    from r3rl.launch import check_machine, dry_run
+    from r3rl.platform import visible_gpu_count
+    from r3rl.tracking.finished import finished_step, report_finished
+
+    try:
+        cfg = compose(argv[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except HydraException:
+        return  # Hydra's app reports a bad override or group itself, before it writes anything
+    if cfg.run.dry_run:
+        dry_run(cfg)
+        sys.exit(0)
+    problem = check_machine(cfg, visible_gpu_count())
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    step = finished_step(cfg)
+    if step is not None:
+        report_finished(cfg, step)
+        sys.exit(0)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -44,4 +81,5 @@ def main(raw: DictConfig) -> None:
 if __name__ == "__main__":
     register_configs()
     sys.argv = _with_default_parallelism(sys.argv)
+    settle_before_start(sys.argv)
     main()

@@ -37,6 +37,7 @@ from r3rl.rollout.engine import EngineError
 from r3rl.rollout.store import save_rollout
 from r3rl.rollout.weights import update_weights_from_hf
 from r3rl.sample import Sample, SampleStatus
+from r3rl.tracking.finished import finished_step, report_finished
 from r3rl.tracking.offline_reader import read_runs
 from r3rl.tracking.summary import print_summary
 from r3rl.tracking.wandb_logger import WandbLogger
@@ -190,9 +191,7 @@ class GRPORecipe:
             response_lengths=[s.response_length for s in samples],
             prompt_lengths=[len(s.prompt_ids) for s in samples],
             routing_flip_per_layer=unreplayed.flip_per_layer if self.r3 else None,
-            missing_rows=[(s.num_tokens - 1) - (0 if s.routed_experts is None else len(s.routed_experts))
-                          for s in samples] if self.r3 else None,
-            expected_rows=[s.num_tokens - 1 for s in samples] if self.r3 else None,
+            replay_mismatch_rows=replay_mismatch_rows(replayed) if self.r3 else None,
             loss=train_out.get("loss"),
             grad_norm=train_out.get("grad_norm"),
             timings_s=timings,
@@ -200,9 +199,6 @@ class GRPORecipe:
         )
         values.update({f"train/{k}": float(v) for k, v in train_out.items()
                        if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
-        if self.r3:
-            # proof that Megatron routed exactly as the rollout did, every step
-            values["r3/replayed_routes_equal"] = float(bool(replayed.replayed_routes_match))
         self.logger.log(values, step=step)
         self.history.append({"step": step, **values})
 
@@ -241,7 +237,19 @@ class GRPORecipe:
             self.cluster.shutdown()
 
 
+def replay_mismatch_rows(result) -> float:
+    """(token, layer) rows Megatron routed otherwise than the rollout under replay: 0 proves the replay, every step;
+    NaN when the check saw no row (it must never read as a pass)."""
+    if result.replay_mismatch_rows or result.replayed_routes_match:
+        return float(result.replay_mismatch_rows)
+    return float("nan")
+
+
 def run_recipe(cfg: R3RLConfig) -> None:
+    done = finished_step(cfg)
+    if done is not None:  # run.py settles this before Hydra starts; a sweep's job or an in-process caller here
+        report_finished(cfg, done)
+        return
     recipe = GRPORecipe(cfg)
     code = 0
     try:

@@ -5,14 +5,18 @@ Names follow prior art so runs compare with other stacks:
 - ``train/logprob_abs_diff``: slime's ``train_rollout_logprob_abs_diff`` (per-sample masked mean of
   |trainer - rollout| log-prob, then the mean over samples). With R3 on the trainer's log-probs are computed with
   the rollout's routes replayed; ``train/logprob_abs_diff_no_replay`` is the same figure on the same batch without
-  replay, so one run shows what R3 removes.
+  replay, so one run shows what R3 removes. ``..._stderr`` is the standard error of each over the step's samples
+  (sample std / sqrt(samples)): the per-step figures rest on a few hundred tokens and swing between steps.
 - ``train/token_mult_prob_error``: NeMo-RL's masked mean of exp(|trainer - rollout|) over all valid tokens of the
   batch (1.0 is a perfect match; their R3 recipe gates on its median < 1.02).
 - ``train/k3_kl``: the k3 estimator of KL(rollout || trainer) on the rollout's tokens, token masked mean (verl's
   ``rollout_corr/k3_kl``).
 - ``r3/routing_flip_rate``: share of (token, layer) rows whose top-k expert *set* differs between the trainer's own
-  router and the rollout's, overall and per layer (``r3/routing_flip_rate/layer_{i:02d}``).
-- ``r3/missing_route_fraction``: share of route rows the engine did not return (filled by a fallback).
+  router and the rollout's, overall and per layer (``r3/routing_flip_rate/layer_{i:02d}``); the trainer counts the
+  flips per layer in its router hooks (``r3rl.train.replay.RouteProbe``), this module names and averages them.
+- ``r3/replay_mismatch_rows``: (token, layer) rows where the routing map Megatron used under replay differs from
+  the rollout's route stored on the ``Sample`` for that token and layer, mapped back through the inverse of the
+  packing; 0 proves that every replayed route reached its token and layer.
 
 Token-level inputs are sequences with one 1-D array per sample (ragged) or 2-D arrays ``[samples, tokens]``
 (padded; the mask zeroes the padding). Everything is computed in float64.
@@ -33,13 +37,18 @@ STEP_AXES: dict[str, str] = {prefix: f"{prefix}/step" for prefix in PREFIXES}
 
 LOGPROB_ABS_DIFF = "train/logprob_abs_diff"
 LOGPROB_ABS_DIFF_NO_REPLAY = "train/logprob_abs_diff_no_replay"
+LOGPROB_ABS_DIFF_STDERR = "train/logprob_abs_diff_stderr"
+LOGPROB_ABS_DIFF_NO_REPLAY_STDERR = "train/logprob_abs_diff_no_replay_stderr"
+# figure -> the key of its standard error over samples
+STDERR_OF: dict[str, str] = {LOGPROB_ABS_DIFF: LOGPROB_ABS_DIFF_STDERR,
+                             LOGPROB_ABS_DIFF_NO_REPLAY: LOGPROB_ABS_DIFF_NO_REPLAY_STDERR}
 TOKEN_MULT_PROB_ERROR = "train/token_mult_prob_error"
 K3_KL = "train/k3_kl"
 LOSS = "train/loss"
 GRAD_NORM = "train/grad_norm"
 ROUTING_FLIP_RATE = "r3/routing_flip_rate"
 ROUTING_FLIP_RATE_LAYER = "r3/routing_flip_rate/layer_{layer:02d}"
-MISSING_ROUTE_FRACTION = "r3/missing_route_fraction"
+REPLAY_MISMATCH_ROWS = "r3/replay_mismatch_rows"
 REWARD_MEAN = "rollout/reward_mean"
 REWARD_STD = "rollout/reward_std"
 REWARD_MIN = "rollout/reward_min"
@@ -92,15 +101,27 @@ def _token_masked_mean(per_token: list[np.ndarray], masks: list[np.ndarray]) -> 
     return sum(float((v * m).sum()) for v, m in zip(per_token, masks)) / total
 
 
+def logprob_abs_diff_per_sample(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> np.ndarray:
+    """Per sample with a valid token, the masked mean of |trainer - rollout| (aborted samples are left out)."""
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    return np.asarray([float((np.abs(a - b) * c).sum() / c.sum()) for a, b, c in zip(t, r, m) if c.sum() > 0],
+                      dtype=np.float64)
+
+
 def logprob_abs_diff(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
     """slime's definition: masked mean of |trainer - rollout| within each sample, then the mean over samples.
 
     Samples without a valid token (an aborted request) are left out rather than counted as 0, which would pull
     the mean down. NaN when no sample has a valid token.
     """
-    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
-    per_sample = [float((np.abs(a - b) * c).sum() / c.sum()) for a, b, c in zip(t, r, m) if c.sum() > 0]
-    return float(np.mean(per_sample)) if per_sample else float("nan")
+    per_sample = logprob_abs_diff_per_sample(trainer_lps, rollout_lps, masks)
+    return float(per_sample.mean()) if per_sample.size else float("nan")
+
+
+def stderr(values: Sequence[float] | np.ndarray) -> float:
+    """Standard error of the mean of ``values`` (sample std with ddof=1 over sqrt(n)); NaN below two values."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else float("nan")
 
 
 def token_mult_prob_error(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
@@ -118,50 +139,6 @@ def k3_kl(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> f
     return _token_masked_mean([np.expm1(a - b) - (a - b) for a, b in zip(t, r)], m)
 
 
-def routing_flip_per_layer(
-    rollout_routes: Sequence[np.ndarray],
-    trainer_routes: Sequence[np.ndarray],
-    row_masks: Sequence[np.ndarray] | None = None,
-) -> np.ndarray:
-    """Per layer, the share of token rows whose top-k expert set differs between trainer and rollout.
-
-    ``rollout_routes[i]`` and ``trainer_routes[i]`` are ``[rows, layers, k]`` expert ids of sample i (the order
-    within the k ids does not matter: only the set decides which experts run). ``row_masks[i]`` (``[rows]``, bool)
-    selects the rows to count, e.g. leaving out rows the engine did not return. Returns float64 ``[layers]``.
-    """
-    if len(rollout_routes) != len(trainer_routes):
-        raise ValueError(
-            f"sample counts differ: rollout_routes {len(rollout_routes)}, trainer_routes {len(trainer_routes)}"
-        )
-    if row_masks is not None and len(row_masks) != len(rollout_routes):
-        raise ValueError(f"sample counts differ: routes {len(rollout_routes)}, row_masks {len(row_masks)}")
-    flips: np.ndarray | None = None
-    rows = 0
-    for i, (a, b) in enumerate(zip(rollout_routes, trainer_routes)):
-        a, b = np.asarray(a), np.asarray(b)
-        if a.shape != b.shape or a.ndim != 3:
-            raise ValueError(f"sample {i}: routes must both be [rows, layers, k]; got {a.shape} and {b.shape}")
-        differs = np.any(np.sort(a, axis=-1) != np.sort(b, axis=-1), axis=-1)  # [rows, layers]
-        if row_masks is not None:
-            keep = np.asarray(row_masks[i], dtype=bool)
-            if keep.shape != (a.shape[0],):
-                raise ValueError(f"sample {i}: row_masks shape {keep.shape}, expected ({a.shape[0]},)")
-            differs = differs[keep]
-        counts = differs.sum(axis=0, dtype=np.int64)
-        if flips is None:
-            flips = counts
-        elif flips.shape != counts.shape:
-            raise ValueError(f"sample {i}: {counts.shape[0]} layers, earlier samples have {flips.shape[0]}")
-        else:
-            flips = flips + counts
-        rows += differs.shape[0]
-    if flips is None:
-        raise ValueError("routing_flip_per_layer: no samples")
-    if rows == 0:
-        return np.full(flips.shape, np.nan)
-    return flips / rows
-
-
 def routing_flip_metrics(per_layer: Sequence[float] | np.ndarray) -> dict[str, float]:
     """``r3/routing_flip_rate`` (mean over layers: every layer sees the same rows) and one key per layer."""
     rates = np.asarray(per_layer, dtype=np.float64)
@@ -170,25 +147,6 @@ def routing_flip_metrics(per_layer: Sequence[float] | np.ndarray) -> dict[str, f
     out = {ROUTING_FLIP_RATE: float(rates.mean())}
     out.update({flip_rate_key(i): float(v) for i, v in enumerate(rates)})
     return out
-
-
-def missing_route_fraction(missing_rows: Sequence[int] | int, expected_rows: Sequence[int] | int) -> float:
-    """Rows the engine did not return over rows expected (``len(tokens) - 1`` per sample); 0 when none expected.
-
-    Per sample, missing rows must lie in [0, expected]: a negative count (a surplus row not dropped before this)
-    would silently cancel another sample's missing rows.
-    """
-    missing = np.atleast_1d(np.asarray(missing_rows, dtype=np.int64))
-    expected = np.atleast_1d(np.asarray(expected_rows, dtype=np.int64))
-    if missing.shape != expected.shape:
-        raise ValueError(f"missing_rows has {missing.size} entries, expected_rows {expected.size}")
-    bad = np.flatnonzero((missing < 0) | (missing > expected))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"sample {i}: {missing[i]} missing route rows; must lie between 0 and the expected rows "
-                         f"({expected[i]})")
-    total = int(expected.sum())
-    return int(missing.sum()) / total if total else 0.0
 
 
 def reward_stats(rewards: Sequence[float]) -> dict[str, float]:
@@ -245,8 +203,7 @@ def step_metrics(
     response_lengths: Sequence[int] = (),
     prompt_lengths: Sequence[int] = (),
     routing_flip_per_layer: Sequence[float] | np.ndarray | None = None,
-    missing_rows: Sequence[int] | None = None,
-    expected_rows: Sequence[int] | None = None,
+    replay_mismatch_rows: float | None = None,
     loss: float | None = None,
     grad_norm: float | None = None,
     timings_s: Mapping[str, float] | None = None,
@@ -257,17 +214,21 @@ def step_metrics(
     ``trainer_logprobs`` are the log-probs the loss uses: with the rollout's routes replayed when R3 is on.
     ``trainer_logprobs_no_replay`` are the same batch's log-probs without replay; leave it None when R3 is off
     (the trainer's log-probs are then already without replay, and the no-replay figure equals the main one, so
-    both runs of a comparison carry both keys). Inputs left None are not logged.
+    both runs of a comparison carry both keys). ``routing_flip_per_layer``: the trainer's flip rate per layer;
+    ``replay_mismatch_rows``: its count of replayed rows that missed the rollout's route (R3 on only). Inputs left
+    None are not logged.
     """
+    replayed = logprob_abs_diff_per_sample(trainer_logprobs, rollout_logprobs, loss_masks)
+    unreplayed = replayed if trainer_logprobs_no_replay is None else logprob_abs_diff_per_sample(
+        trainer_logprobs_no_replay, rollout_logprobs, loss_masks)
     out: dict[str, float] = {
-        LOGPROB_ABS_DIFF: logprob_abs_diff(trainer_logprobs, rollout_logprobs, loss_masks),
+        LOGPROB_ABS_DIFF: float(replayed.mean()) if replayed.size else float("nan"),
+        LOGPROB_ABS_DIFF_STDERR: stderr(replayed),
+        LOGPROB_ABS_DIFF_NO_REPLAY: float(unreplayed.mean()) if unreplayed.size else float("nan"),
+        LOGPROB_ABS_DIFF_NO_REPLAY_STDERR: stderr(unreplayed),
         TOKEN_MULT_PROB_ERROR: token_mult_prob_error(trainer_logprobs, rollout_logprobs, loss_masks),
         K3_KL: k3_kl(trainer_logprobs, rollout_logprobs, loss_masks),
     }
-    out[LOGPROB_ABS_DIFF_NO_REPLAY] = (
-        out[LOGPROB_ABS_DIFF] if trainer_logprobs_no_replay is None
-        else logprob_abs_diff(trainer_logprobs_no_replay, rollout_logprobs, loss_masks)
-    )
     if loss is not None:
         out[LOSS] = float(loss)
     if grad_norm is not None:
@@ -276,10 +237,8 @@ def step_metrics(
     out.update(response_length_stats(response_lengths))
     if routing_flip_per_layer is not None:
         out.update(routing_flip_metrics(routing_flip_per_layer))
-    if (missing_rows is None) != (expected_rows is None):
-        raise ValueError("missing_rows and expected_rows go together: pass both or neither")
-    if missing_rows is not None and expected_rows is not None:
-        out[MISSING_ROUTE_FRACTION] = missing_route_fraction(missing_rows, expected_rows)
+    if replay_mismatch_rows is not None:
+        out[REPLAY_MISMATCH_ROWS] = float(replay_mismatch_rows)
     if timings_s is not None or step_time_s is not None:
         num_response = int(np.sum(response_lengths)) if len(response_lengths) else None
         num_tokens = None

@@ -64,40 +64,18 @@ def test_mismatched_shapes_name_the_sample():
         M.k3_kl(TRAINER[:1], ROLLOUT, MASKS)
 
 
-# Two samples of 2 rows, 2 layers, top-2. Sample 0: row 0 layer 0 is the same set in another order (no flip),
-# row 0 layer 1 differs. Sample 1: layer 0 differs on both rows. Layer 0: 2 of 4 rows, layer 1: 1 of 4.
-ROLLOUT_ROUTES = [
-    np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dtype=np.uint8),
-    np.array([[[0, 1], [0, 1]], [[2, 3], [0, 1]]], dtype=np.uint8),
-]
-TRAINER_ROUTES = [
-    np.array([[[1, 0], [2, 4]], [[4, 5], [6, 7]]], dtype=np.uint8),
-    np.array([[[0, 2], [0, 1]], [[2, 4], [1, 0]]], dtype=np.uint8),
-]
-
-
-def test_routing_flip_per_layer_compares_expert_sets():
-    per_layer = M.routing_flip_per_layer(ROLLOUT_ROUTES, TRAINER_ROUTES)
-    np.testing.assert_allclose(per_layer, [0.5, 0.25])
-    out = M.routing_flip_metrics(per_layer)
+def test_routing_flip_metrics_average_the_layers():
+    out = M.routing_flip_metrics([0.5, 0.25])
     assert out == {"r3/routing_flip_rate": pytest.approx(0.375), "r3/routing_flip_rate/layer_00": 0.5,
                    "r3/routing_flip_rate/layer_01": 0.25}
 
 
-def test_routing_flip_row_mask_leaves_rows_out():
-    # leaving out sample 1's second row: layer 0 now flips on 1 of 3 rows, layer 1 on 1 of 3
-    masks = [np.array([True, True]), np.array([True, False])]
-    np.testing.assert_allclose(M.routing_flip_per_layer(ROLLOUT_ROUTES, TRAINER_ROUTES, masks), [1 / 3, 1 / 3])
-
-
-def test_missing_route_fraction():
-    assert M.missing_route_fraction([2, 0, 1], [10, 10, 10]) == pytest.approx(0.1)
-    assert M.missing_route_fraction(0, 0) == 0.0
-    with pytest.raises(ValueError, match=r"sample 0: 11 missing route rows; must lie between 0 and .* \(10\)"):
-        M.missing_route_fraction([11], [10])
-    # a surplus row counted as -1 must not cancel another sample's missing row
-    with pytest.raises(ValueError, match="sample 1: -1 missing route rows"):
-        M.missing_route_fraction([1, -1], [10, 10])
+def test_logprob_abs_diff_stderr_is_over_samples():
+    # per-sample figures 0.3 and 0.15: std (ddof 1) 0.106066, over sqrt(2) -> 0.075
+    assert M.stderr(M.logprob_abs_diff_per_sample(TRAINER, ROLLOUT, MASKS)) == pytest.approx(0.075)
+    assert math.isnan(M.stderr([0.3]))
+    # identical per-sample figures: no spread, however many tokens
+    assert M.stderr([0.2, 0.2, 0.2]) == pytest.approx(0.0, abs=1e-15)
 
 
 def test_step_metrics_assembles_every_prefix_with_prior_art_names():
@@ -105,15 +83,17 @@ def test_step_metrics_assembles_every_prefix_with_prior_art_names():
     out = M.step_metrics(
         rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS,
         trainer_logprobs_no_replay=no_replay, rewards=[1.0, 0.0, 1.0, 0.0], response_lengths=[2, 5],
-        prompt_lengths=[3, 10], routing_flip_per_layer=[0.5, 0.25], missing_rows=[1, 0], expected_rows=[4, 4],
+        prompt_lengths=[3, 10], routing_flip_per_layer=[0.5, 0.25], replay_mismatch_rows=0,
         loss=0.125, grad_norm=2.0,
         timings_s={"rollout": 2.0, "logprobs": 0.5, "train": 1.0, "weight_sync": 0.5},
     )
     assert out["train/logprob_abs_diff"] == pytest.approx(0.225)
     assert out["train/logprob_abs_diff_no_replay"] == pytest.approx(0.75)
+    assert out["train/logprob_abs_diff_stderr"] == pytest.approx(0.075)
+    assert out["train/logprob_abs_diff_no_replay_stderr"] == pytest.approx(0.25)  # per sample 0.5 and 1.0
     assert out["r3/routing_flip_rate"] == pytest.approx(0.375)
     assert out["r3/routing_flip_rate/layer_01"] == 0.25
-    assert out["r3/missing_route_fraction"] == pytest.approx(1 / 8)
+    assert out["r3/replay_mismatch_rows"] == 0.0
     assert out["rollout/reward_mean"] == 0.5 and out["rollout/reward_std"] == 0.5
     assert out["rollout/response_length_mean"] == 3.5 and out["rollout/response_length_max"] == 5
     assert out["train/loss"] == 0.125 and out["train/grad_norm"] == 2.0
@@ -128,6 +108,5 @@ def test_step_metrics_assembles_every_prefix_with_prior_art_names():
 def test_step_metrics_without_replay_logs_the_same_figure_twice():
     out = M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS)
     assert out["train/logprob_abs_diff_no_replay"] == out["train/logprob_abs_diff"] == pytest.approx(0.225)
+    assert out["train/logprob_abs_diff_no_replay_stderr"] == out["train/logprob_abs_diff_stderr"]
     assert not any(k.startswith(("r3/", "perf/", "rollout/")) for k in out)  # inputs not given are not logged
-    with pytest.raises(ValueError, match="go together"):
-        M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS, missing_rows=[1])

@@ -17,10 +17,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from r3rl import metrics as M  # noqa: E402
 from r3rl.dashboard.panels import PANELS, Panel  # noqa: E402
 from r3rl.dashboard.report import RUNSET_NAMES  # noqa: E402
 from r3rl.tracking.offline_reader import OfflineRun  # noqa: E402
-from r3rl.tracking.summary import summarize  # noqa: E402
+from r3rl.tracking.summary import fmt_cell, summarize  # noqa: E402
 
 # R3 on / off keep their colour in every panel; a family (one line per layer) takes shades of it.
 _COLOURS = {True: ("tab:blue", "Blues"), False: ("tab:orange", "Oranges"), None: ("tab:green", "Greens")}
@@ -35,6 +36,19 @@ def _short_label(run: OfflineRun, runs: Sequence[OfflineRun]) -> str:
     """"R3 on" when it names one run of the comparison, else with the run's name."""
     alone = sum(1 for r in runs if r.r3 is run.r3) == 1
     return RUNSET_NAMES[run.r3] if alone else run_label(run)
+
+
+def _stderr_band(ax: Axes, run: OfflineRun, key: str, steps: list[int], ys: list[float], colour) -> None:
+    """+-1 standard error over samples around a figure that logs one (``metrics.STDERR_OF``)."""
+    se_key = M.STDERR_OF.get(key)
+    if se_key is None:
+        return
+    se_by_step = dict(zip(*run.series(se_key)))
+    if not se_by_step:
+        return
+    se = [math.nan if se_by_step.get(s) is None else se_by_step[s] for s in steps]
+    ax.fill_between(steps, [y - e for y, e in zip(ys, se)], [y + e for y, e in zip(ys, se)], color=colour,
+                    alpha=0.15, linewidth=0)
 
 
 def draw_panel(ax: Axes, panel: Panel, runs: Sequence[OfflineRun]) -> int:
@@ -53,8 +67,9 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[OfflineRun]) -> int:
                 style = _STYLES[style_offset % len(_STYLES)]
             else:
                 shade, style = colour, _STYLES[(i + style_offset) % len(_STYLES)]
-            ax.plot(steps, [math.nan if v is None else v for v in values], style, color=shade, marker=".",
-                    label=f"{_short_label(run, runs)}: {key}")
+            ys = [math.nan if v is None else v for v in values]
+            ax.plot(steps, ys, style, color=shade, marker=".", label=f"{_short_label(run, runs)}: {key}")
+            _stderr_band(ax, run, key, steps, ys, shade)
             lines += 1
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel(panel.x)
@@ -100,10 +115,6 @@ def _panel_svg(panel: Panel, runs: Sequence[OfflineRun]) -> str:
     return svg[svg.index("<svg"):]  # drop the XML prolog: the SVG sits inside HTML
 
 
-def _fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.4g}"
-
-
 def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] = PANELS) -> Path:
     e = html.escape
     parts = [
@@ -127,7 +138,7 @@ def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] =
     parts += ["<h2>Key metrics (mean over steps)</h2>", "<table><tr><th>metric</th>"]
     parts += [f"<th>{e(run_label(r))}</th>" for r in runs] + ["</tr>"]
     for key in keys:
-        cells = "".join(f"<td>{_fmt(s[key]['mean']) if key in s else ''}</td>" for s in stats)
+        cells = "".join(f"<td>{e(fmt_cell(s[key], 'mean')) if key in s else ''}</td>" for s in stats)
         parts.append(f"<tr><td>{e(key)}</td>{cells}</tr>")
     parts += ["</table>", "</body></html>"]
     path.write_text("\n".join(parts), encoding="utf-8")

@@ -29,7 +29,7 @@ class Panel:
 
 PANELS: tuple[Panel, ...] = (
     Panel("Log-prob |trainer - rollout|: with vs without R3 replay", M.STEP_AXES["train"],
-          keys=(M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY), y_label="mean |log-prob diff|"),
+          keys=(M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY), y_label="mean |log-prob diff| (band: ±1 stderr)"),
     Panel("Routing flip rate per layer", M.STEP_AXES["r3"],
           keys=(M.ROUTING_FLIP_RATE,), pattern=r"r3/routing_flip_rate/layer_\d+", y_label="share of tokens"),
     Panel("Token mult prob error (NeMo-RL)", M.STEP_AXES["train"], keys=(M.TOKEN_MULT_PROB_ERROR,),

@@ -94,11 +94,16 @@ def build_hf_config(model: ModelConfig, eos_token_id: int, pad_token_id: int):
 
 
 MARKER = "r3rl_generated.json"
+# bumped when generation changes for the same config, so cached checkpoints are regenerated
+# (2: the padding token's embedding row is random, not zero)
+GENERATOR_VERSION = 2
 
 
 def _fingerprint(model: ModelConfig) -> dict:
     """What a generated checkpoint was made from; a cached one with another shape or seed is regenerated."""
-    return {k: v for k, v in vars(model).items() if not k.startswith("_") and k not in ("checkpoint", "generate_if_missing")}
+    made_from = {k: v for k, v in vars(model).items()
+                 if not k.startswith("_") and k not in ("checkpoint", "generate_if_missing")}
+    return {**made_from, "generator_version": GENERATOR_VERSION}
 
 
 def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
@@ -113,6 +118,12 @@ def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
     hf_config = build_hf_config(model, eos, pad)
     torch.manual_seed(model.init_seed)
     net = Qwen3MoeForCausalLM(hf_config).to(torch.float32)
+    # HF zeroes the pad token's embedding row. The engine may still sample that token, and a zero input makes the
+    # first RMSNorm divide by sqrt(rms_norm_eps): its embedding gradient grows 1/sqrt(eps) = 1000-fold (the default
+    # run's grad norm of 4,189 at step 3). A real checkpoint has no zero row; draw it like every other row.
+    row = torch.Generator().manual_seed(model.init_seed)
+    with torch.no_grad():
+        net.get_input_embeddings().weight[pad].normal_(0.0, model.init_std, generator=row)
     with atomic_folder(out) as tmp:
         net.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

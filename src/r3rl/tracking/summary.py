@@ -1,4 +1,9 @@
-"""The table printed at the end of a run: the key metrics over the steps logged."""
+"""The table printed at the end of a run: the key metrics over the steps logged.
+
+A figure with a standard error over samples (``metrics.STDERR_OF``) shows it next to it: per step for first and
+last, and for the mean over steps the standard error of that mean (steps are independent batches:
+sqrt(sum of squared per-step errors) / steps).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from r3rl import metrics as M
 
 KEY_METRICS: tuple[str, ...] = (
     M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.TOKEN_MULT_PROB_ERROR, M.K3_KL, M.ROUTING_FLIP_RATE,
-    M.MISSING_ROUTE_FRACTION, M.REWARD_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS, M.GRAD_NORM, M.PERF_STEP_TIME,
+    M.REPLAY_MISMATCH_ROWS, M.REWARD_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS, M.GRAD_NORM, M.PERF_STEP_TIME,
     M.PERF_TOKENS_PER_S,
 )
 REPLAY_RATIO = "logprob_abs_diff replay / no replay"
@@ -23,11 +28,19 @@ def _fmt(x: float) -> str:
     return "nan" if math.isnan(x) else f"{x:.4g}"
 
 
+def fmt_cell(stats: Mapping[str, float], col: str) -> str:
+    """One cell of the table: the value, with `` ± stderr`` when the figure has one."""
+    se = stats.get(f"{col}_stderr")
+    return _fmt(stats[col]) if se is None else f"{_fmt(stats[col])} ± {_fmt(se)}"
+
+
 def summarize(history: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEY_METRICS) -> dict[str, dict[str, float]]:
-    """Per key metric present in ``history``: steps, first, last, mean, min, max (NaN steps left out of the stats)."""
+    """Per key metric present in ``history``: steps, first, last, mean, min, max (NaN steps left out of the stats),
+    and for a figure with a standard error ``first_stderr``, ``last_stderr`` and ``mean_stderr``."""
     out: dict[str, dict[str, float]] = {}
     for key in keys:
-        values = [float(row[key]) for row in history if key in row]
+        rows = [row for row in history if key in row]
+        values = [float(row[key]) for row in rows]
         finite = [v for v in values if not math.isnan(v)]
         if not values:
             continue
@@ -36,6 +49,12 @@ def summarize(history: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEY_ME
             "mean": sum(finite) / len(finite) if finite else math.nan,
             "min": min(finite) if finite else math.nan, "max": max(finite) if finite else math.nan,
         }
+        se_key = M.STDERR_OF.get(key)
+        if se_key is not None and all(se_key in row for row in rows):
+            errors = [float(row[se_key]) for row in rows]
+            kept = [e for v, e in zip(values, errors) if not math.isnan(v)]
+            out[key].update(first_stderr=errors[0], last_stderr=errors[-1],
+                            mean_stderr=math.sqrt(sum(e * e for e in kept)) / len(kept) if kept else math.nan)
     if M.LOGPROB_ABS_DIFF in out and M.LOGPROB_ABS_DIFF_NO_REPLAY in out:
         ratios = [row[M.LOGPROB_ABS_DIFF] / row[M.LOGPROB_ABS_DIFF_NO_REPLAY] for row in history
                   if row.get(M.LOGPROB_ABS_DIFF_NO_REPLAY) and M.LOGPROB_ABS_DIFF in row]
@@ -56,7 +75,7 @@ def print_summary(history: Sequence[Mapping[str, Any]], console: Console | None 
     for col in ("steps", "first", "last", "mean", "min", "max"):
         table.add_column(col, justify="right")
     for key, s in stats.items():
-        table.add_row(key, str(int(s["steps"])), *(_fmt(s[c]) for c in ("first", "last", "mean", "min", "max")))
+        table.add_row(key, str(int(s["steps"])), *(fmt_cell(s, c) for c in ("first", "last", "mean", "min", "max")))
     if not stats:
         table.add_row("(no key metric logged)", "", "", "", "", "", "")
     (console or Console()).print(table)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -50,10 +52,25 @@ def apply_if_needed() -> bool:
         return True
     if cuda_available():
         return False
+    _expect_missing_fused_kernels()
     _patch_current_device()
     _patch_rng()
     _ACTIVE = True
     return True
+
+
+# Megatron warns once per importing module that TransformerEngine / Apex are missing (six lines from every trainer
+# rank); the CPU profile never has them, so that is said once, here, instead.
+_NO_FUSED_KERNELS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+
+
+def _expect_missing_fused_kernels() -> None:
+    """Silence Megatron's import-time TE/Apex warnings in this process and say it once. Runs before the first
+    Megatron import of the trainer (``distributed.init``), as those warnings fire at import."""
+    for message in _NO_FUSED_KERNELS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    print("r3rl CPU profile: no Transformer Engine or Apex (expected without a GPU); Megatron uses its torch "
+          "fallbacks", file=sys.stderr, flush=True)
 
 
 def _cpu_device() -> torch.device:

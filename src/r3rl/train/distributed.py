@@ -55,9 +55,9 @@ def _device() -> torch.device:
 def init(layout: Layout, seed: int, timeout_minutes: int = 30) -> RankInfo:
     """Join (or start) the process group and Megatron's model-parallel groups; seed Megatron's RNG streams."""
     global _USERS, _LAYOUT, _OWNS_PROCESS_GROUP
+    cpu_compat.apply_if_needed()  # first: Megatron's imports warn about TE/Apex, which the CPU profile expects
     from megatron.core import parallel_state as ps
 
-    cpu_compat.apply_if_needed()
     device = _device()
     if not torch.distributed.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from r3rl.train.batch import MicroBatch
+from r3rl.train.layout import TokenLayout
 from r3rl.train.routes import PackedRoutes
 
 
@@ -115,7 +117,8 @@ def forget_instances(routers: list) -> None:
 @dataclass
 class ProbeCounts:
     """Per global layer: rows with a rollout route, of those how many top-k sets the router itself would pick
-    differently (flips), and rows whose routing map differs from the replay target (must stay 0 under replay)."""
+    differently (flips), and, under replay, rows checked against the rollout and those whose routing map differed
+    from the rollout's route for that token (must stay 0)."""
 
     routed_rows: np.ndarray
     flips: np.ndarray
@@ -139,44 +142,76 @@ def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
 
 
-class RouteProbe:
-    """Forward hooks on the routers of a no-grad pass that compare, row by row:
+def row_origins(mb: MicroBatch, layout: TokenLayout, route_rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of the packing: for each of this rank's router rows of ``mb``, the micro-batch slot and the token
+    position it holds, or slot -1 where the row holds no rollout route (padding, a sample's last token).
 
-    - the router's own top-k (from its live logits, what it would choose unreplayed) with the rollout routes, on
-      rows that have a rollout route: the routing flip rate;
-    - the routing map Megatron actually produced with the replay target, on every row: proof the routes given are
-      the routes used.
+    Built from the tokens' own layout (``[B, S]`` right-padded, through ``TokenLayout.router_rows``), never from
+    the packed routes, so a packing that puts a route on the wrong row is caught rather than repeated.
+    ``route_rows[b]`` is the number of rollout route rows of slot b's sample (its tokens - 1).
+    """
+    batch, seq_len = len(mb.indices), mb.seq_len
+    slot = layout.router_rows(np.repeat(np.arange(batch)[:, None], seq_len, axis=1))
+    pos = layout.router_rows(np.repeat(np.arange(seq_len)[None, :], batch, axis=0))
+    covered = pos < np.asarray(route_rows, dtype=np.int64)[slot]
+    return np.where(covered, slot, -1), pos
+
+
+class _Expected:
+    """One micro batch's rollout routes per router row, read from the samples through ``row_origins``."""
+
+    def __init__(self, mb: MicroBatch, layout: TokenLayout, routes: Sequence[np.ndarray]):
+        self.slot_routes = [routes[i] for i in mb.indices]
+        slot, pos = row_origins(mb, layout, [len(r) for r in self.slot_routes])
+        self.rows = np.flatnonzero(slot >= 0)
+        offsets = np.concatenate([[0], np.cumsum([len(r) for r in self.slot_routes])[:-1]]).astype(np.int64)
+        self._source = offsets[slot[self.rows]] + pos[self.rows]
+
+    def layer(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows that hold a rollout route and, per such row, the rollout's ``[K]`` experts at this layer."""
+        column = np.concatenate([r[:, layer] for r in self.slot_routes])[self._source].astype(np.int64)
+        return torch.from_numpy(self.rows).to(device), torch.from_numpy(column).to(device)
+
+
+class RouteProbe:
+    """Forward hooks on the routers of a no-grad pass that compare, on every row holding a rollout route, the
+    rollout's top-k for that (sample, token, layer), read from the samples' own routes:
+
+    - with the router's own top-k (from its live logits, what it would choose unreplayed): the routing flip rate;
+    - under replay, with the routing map Megatron actually used: proof the rollout's routes were replayed at the
+      right token and layer. Rows are mapped back through ``row_origins``, independently of the packed replay
+      targets, so a route packed one row off or handed to the wrong layer shows as a mismatch.
     """
 
-    def __init__(self, routers: list, num_layers: int):
+    def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray]):
         self.routers = routers
         self.counts = ProbeCounts.zeros(num_layers)
-        self._routes: PackedRoutes | None = None
+        self.layout = layout
+        self.routes = routes
+        self._expected: _Expected | None = None
         self._replaying = False
         self._handles = []
 
-    def expect(self, routes: PackedRoutes | None, *, replaying: bool) -> None:
-        self._routes = routes
+    def expect(self, mb: MicroBatch | None, *, replaying: bool) -> None:
+        self._expected = _Expected(mb, self.layout, self.routes) if mb is not None else None
         self._replaying = replaying
 
     def _hook(self, router, args, output) -> None:
-        if self._routes is None:
+        if self._expected is None:
             return
         layer = router.layer_number - 1
         hidden = args[0]
         with torch.no_grad():
             logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
-            own = torch.topk(logits, router.topk, dim=-1).indices
-            target = self._routes.layer_targets(layer, logits.device)
-            has = torch.from_numpy(self._routes.has_route).to(logits.device)
-            agree = _same_sets(own, target)
-            self.counts.routed_rows[layer] += int(has.sum())
-            self.counts.flips[layer] += int((~agree & has).sum())
+            rows, rollout = self._expected.layer(layer, logits.device)
+            own = torch.topk(logits[rows], router.topk, dim=-1).indices
+            self.counts.routed_rows[layer] += len(rows)
+            self.counts.flips[layer] += int((~_same_sets(own, rollout)).sum())
             if self._replaying:
-                routing_map = output[1].view(-1, router.config.num_moe_experts)
-                expected = torch.zeros_like(routing_map).scatter(1, target, True)
-                self.counts.replay_rows[layer] += routing_map.shape[0]
-                self.counts.replay_mismatches[layer] += int((routing_map != expected).any(dim=-1).sum())
+                used = output[1].view(-1, router.config.num_moe_experts)[rows].bool()
+                expected = torch.zeros_like(used).scatter(1, rollout, True)
+                self.counts.replay_rows[layer] += len(rows)
+                self.counts.replay_mismatches[layer] += int((used != expected).any(dim=-1).sum())
 
     def __enter__(self) -> "RouteProbe":
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
@@ -186,4 +221,4 @@ class RouteProbe:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._routes = None
+        self._expected = None

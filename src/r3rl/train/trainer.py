@@ -29,8 +29,10 @@ from r3rl.train.routes import check_routes
 class LogprobResult:
     logprobs: list[np.ndarray]  # float32 [R] per sample: log-prob of each response token
     flip_per_layer: np.ndarray  # float [L]: share of routed (token, layer) top-k sets the router would pick otherwise
-    replayed_routes_match: bool | None  # replay: every routing map equalled its replay target; None without replay
-    replay_mismatch_rows: int  # rows whose routing map differed from the target (0 when the routes were used)
+    # replay: on every (token, layer), the routing map Megatron used equalled the rollout's route on the Sample
+    # (mapped back through the inverse of the packing); None without replay
+    replayed_routes_match: bool | None
+    replay_mismatch_rows: int  # (token, layer) rows whose routing map differed from the rollout's route
 
     @property
     def flip_rate(self) -> float:
@@ -176,8 +178,8 @@ class MegatronTrainer:
         routes = probe_routes
         mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes)
         results: dict[int, np.ndarray] = {}
-        probe = RouteProbe(driver_routers, self.cfg.model.num_layers) if (driver_routers and routes is not None) \
-            else None
+        probe = RouteProbe(driver_routers, self.cfg.model.num_layers, self.layout, routes) \
+            if (driver_routers and routes is not None) else None
         if replay and model is not self.model:
             raise RuntimeError("routes are replayed into the policy model only, never a reference model (P12)")
         model.eval()
@@ -191,7 +193,7 @@ class MegatronTrainer:
                 token_lps = []
                 for mb, _ in mbs:
                     if probe is not None:
-                        probe.expect(mb.routes, replaying=replay)
+                        probe.expect(mb, replaying=replay)
                     token_lps.append(self._forward(model, mb, replay=replay, backward_follows=False))
             if self._ps.is_pipeline_last_stage():
                 for (mb, valid), lp in zip(mbs, token_lps):
@@ -214,7 +216,7 @@ class MegatronTrainer:
         def step(data_iterator, chunk):
             mb = next(data_iterator)
             if probe is not None:
-                probe.expect(mb.routes, replaying=replay)
+                probe.expect(mb, replaying=replay)
             out = self._forward(chunk, mb, replay=replay, backward_follows=not forward_only)
 
             def loss_func(token_lp):

@@ -17,9 +17,13 @@ from r3rl.net import free_port
 REPO = Path(__file__).resolve().parents[3]
 
 
+# a quarter of the default run's step (16 samples, not 64): these tests check behaviour, not the figures
+SMALL_STEP = ("algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4")
+
+
 def recipe_cmd(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}",
-            f"rollout.engine.base_port={free_port()}", *overrides]
+            f"rollout.engine.base_port={free_port()}", *SMALL_STEP, *overrides]
 
 
 def run_recipe(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:

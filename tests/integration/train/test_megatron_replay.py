@@ -126,3 +126,42 @@ def test_kl_reference_model_never_replays(new_trainer):
     second = trainer.train_step(samples, np.linspace(-1, 1, 8), replay=True, old_logprobs=old)
     assert second["kl"] > 0
     assert all(np.array_equal(a, b) for a, b in zip(ref, trainer.reference_logprobs(samples)))  # ref stays frozen
+
+
+def pack_with_fault(monkeypatch, fault):
+    """A packing bug, injected (no real packing has one to trigger): ``fault`` rewrites the per-sample routes
+    right before they are packed for the routers; the Samples keep the rollout's routes."""
+    import r3rl.train.batch as batch
+
+    real = batch.pack_routes
+
+    def faulty(routes, *args, **kwargs):
+        return real(fault([np.array(r) for r in routes]), *args, **kwargs)
+
+    monkeypatch.setattr(batch, "pack_routes", faulty)
+
+
+def test_replay_check_catches_one_sample_shifted_by_one_row(policy, monkeypatch):
+    samples = routed(policy, routes="random")
+    assert policy.logprobs(samples, replay=True).replay_mismatch_rows == 0
+
+    def shift_first(routes):  # the first sample of each micro batch replays its routes one token late
+        routes[0] = np.concatenate([routes[0][:1], routes[0][:-1]])
+        return routes
+
+    pack_with_fault(monkeypatch, shift_first)
+    replayed = policy.logprobs(samples, replay=True)
+    assert replayed.replayed_routes_match is False
+    # every shifted row of those samples differs (random routes), in every layer
+    micro_batches = -(-len(samples) // policy.cfg.trainer.micro_batch_size)
+    assert replayed.replay_mismatch_rows >= micro_batches * policy.cfg.model.num_layers
+
+
+def test_replay_check_catches_two_layers_swapped(policy, monkeypatch):
+    samples = routed(policy, routes="random")
+    order = list(range(policy.cfg.model.num_layers))
+    order[0], order[1] = 1, 0
+    pack_with_fault(monkeypatch, lambda routes: [r[:, order] for r in routes])
+    replayed = policy.logprobs(samples, replay=True)
+    assert replayed.replayed_routes_match is False
+    assert replayed.replay_mismatch_rows > 0

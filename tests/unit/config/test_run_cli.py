@@ -61,11 +61,18 @@ def test_dry_run_plan_for_cpu_default_has_cpu_profile_only_there():
     assert "VLLM_USE_V2_MODEL_RUNNER: '1'" in cpu.stdout and "VLLM_USE_V2_MODEL_RUNNER: '1'" in gpu.stdout
 
 
-def test_dry_run_starts_nothing(tmp_path):
+def test_dry_run_starts_nothing_and_writes_nothing(tmp_path):
     out = run_py("run.dry_run=true", "parallelism=cpu", f"run.output_dir={tmp_path}/run")
     assert out.returncode == 0, out.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
-    assert not (tmp_path / "run" / "wandb").exists()
+    assert "launch plan" in out.stdout
+    # not even Hydra's .hydra/ and run.log
+    assert not (tmp_path / "run").exists()
+
+
+def test_refused_config_writes_nothing(tmp_path):
+    out = run_py("parallelism=cpu", "algorithm.global_batch_size=7", f"run.output_dir={tmp_path}/run")
+    assert out.returncode == 2 and "algorithm.global_batch_size" in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_parallelism_defaults_to_the_machine_unless_named(monkeypatch):
@@ -94,4 +101,4 @@ def test_cpu_profile_is_refused_where_gpus_are_present(compose_cfg):
 def test_gpu_layout_without_gpus_fails_before_starting_anything(tmp_path):
     out = run_py("model=qwen3_30b", "parallelism=colocated", COLOCATED_SHARE, f"run.output_dir={tmp_path}/r")
     assert out.returncode == 2 and "needs GPUs" in out.stderr
-    assert not (tmp_path / "r" / "processes.json").exists()
+    assert not (tmp_path / "r").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+import numpy as np
 import pytest
 
 from r3rl.models.tiny_moe import MARKER, ensure_checkpoint
@@ -43,3 +44,12 @@ def test_missing_real_checkpoint_names_the_key(tmp_path, tiny_cfg):
     model = shrink(tiny_cfg.model, tmp_path / "nothing", generate_if_missing=False)
     with pytest.raises(FileNotFoundError, match="model.checkpoint="):
         ensure_checkpoint(model)
+
+
+def test_no_embedding_row_is_zero(tmp_path, tiny_cfg):
+    # a zero row (HF's init of the pad token) blows the gradient up 1/sqrt(rms_norm_eps)-fold when it is sampled
+    from safetensors.numpy import load_file
+
+    made = ensure_checkpoint(shrink(tiny_cfg.model, tmp_path / "m"))
+    rows = np.linalg.norm(load_file(made / "model.safetensors")["model.embed_tokens.weight"], axis=1)
+    assert rows.min() > 0.5 * tiny_cfg.model.init_std * tiny_cfg.model.hidden_size ** 0.5, rows.argmin()

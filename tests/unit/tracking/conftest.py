@@ -25,7 +25,7 @@ def _make_step_metrics(step: int, *, r3: bool, layers: int = 4, samples: int = 8
         rewards=rng.integers(0, 2, size=samples).astype(float), response_lengths=lengths,
         prompt_lengths=[20] * samples,
         routing_flip_per_layer=np.linspace(0.01, 0.03, layers) + 0.001 * step if r3 else None,
-        missing_rows=[0] * samples if r3 else None, expected_rows=list(lengths + 19) if r3 else None,
+        replay_mismatch_rows=0 if r3 else None,
         loss=float(rng.normal()), grad_norm=float(rng.uniform(0.5, 2.0)),
         timings_s={"rollout": 2.0 + step * 0.1, "logprobs": 0.5, "train": 1.0, "weight_sync": 0.25},
     )

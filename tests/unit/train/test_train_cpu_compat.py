@@ -96,3 +96,24 @@ def test_megatron_optimizer_scope_puts_cuda_allocations_on_the_cpu():
     assert made.device.type == "cpu" and moved is param
     # Megatron's optimizers compare param.type() with the CUDA type names
     assert name == "torch.cuda.FloatTensor" and param.type() == "torch.FloatTensor"
+
+
+MISSING_KERNELS = textwrap.dedent("""
+    from r3rl.train import distributed
+    distributed.init(distributed.Layout(1, 1, 1, 1), seed=1)
+    # what a trainer rank imports later: the optimizer stack and the layer specs
+    import megatron.core.optimizer, megatron.core.optimizer.clip_grads  # noqa: E401
+    from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401
+    distributed.release()
+""")
+
+
+@cpu_only
+def test_missing_transformer_engine_and_apex_is_said_once():
+    # every warning shown, as a Ray actor shows them
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+    out = subprocess.run([sys.executable, "-c", MISSING_KERNELS], capture_output=True, text=True, env=env,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Apex is not installed" not in out.stderr and "Apex are not installed" not in out.stderr, out.stderr
+    assert out.stderr.count("no Transformer Engine or Apex (expected without a GPU)") == 1

@@ -1,0 +1,122 @@
+"""The figures the README quotes for the default run, from one run of the default recipe (what `make run` runs).
+
+    python bench/readme_figures.py                      # run, print the summary and the README block
+    python bench/readme_figures.py --write-readme       # ... and replace the block in README.md
+    python bench/readme_figures.py [overrides ...]      # another size, e.g. run.num_steps=2
+
+The README block lies between the two ``readme_figures`` comment lines; it is replaced whole, so the README never
+quotes figures this script did not print. Each mismatch figure comes with its standard error over the step's
+samples; the mean over steps with the standard error of that mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # recipes/ lives at the repository root
+
+BEGIN = "<!-- readme_figures:begin (written by bench/readme_figures.py --write-readme; do not edit) -->"
+END = "<!-- readme_figures:end -->"
+
+
+def run_default(out_dir: str, overrides: list[str]) -> tuple[object, list[dict[str, float]], float]:
+    from r3rl.config import compose
+    from recipes.grpo import GRPORecipe
+
+    # run.py's command line for `make run` on a machine without a GPU, in a folder of its own
+    cfg = compose(["parallelism=cpu", f"run.output_dir={out_dir}", "logger.wandb.mode=disabled", *overrides])
+    recipe = GRPORecipe(cfg)
+    started = time.perf_counter()
+    try:
+        recipe.setup()
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    return cfg, recipe.history, time.perf_counter() - started
+
+
+def _pm(value: float, err: float) -> str:
+    return f"{value:.4f} ± {err:.4f}"
+
+
+def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
+    from r3rl import metrics as M
+    from r3rl.tracking.summary import REPLAY_RATIO, summarize
+
+    alg, sampling = cfg.algorithm, cfg.rollout.sampling
+    samples = alg.rollout_batch_size * alg.n_samples_per_prompt
+    tokens = [row[M.RESPONSE_LENGTH_MEAN] * samples for row in history]
+    stats = summarize(history)
+    lines = [
+        BEGIN,
+        f"Default run (`make run`: {cfg.run.num_steps} steps of {samples} samples = {alg.rollout_batch_size} "
+        f"prompts x {alg.n_samples_per_prompt}, at most {sampling.max_tokens} response tokens each, "
+        f"{sum(tokens) / len(tokens):.0f} response tokens per step on average; bf16 engine, fp32 trainer, fixed "
+        f"seeds). `train/logprob_abs_diff` with replay and without replay on the same batch, ± the standard error "
+        f"over the step's samples:",
+        "",
+        "| step | with replay (R3) | without replay | ratio | routing flip rate | replay mismatch rows |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in history:
+        lines.append(
+            f"| {int(row['step'])} | {_pm(row[M.LOGPROB_ABS_DIFF], row[M.LOGPROB_ABS_DIFF_STDERR])} | "
+            f"{_pm(row[M.LOGPROB_ABS_DIFF_NO_REPLAY], row[M.LOGPROB_ABS_DIFF_NO_REPLAY_STDERR])} | "
+            f"{row[M.LOGPROB_ABS_DIFF] / row[M.LOGPROB_ABS_DIFF_NO_REPLAY]:.2f} | {row[M.ROUTING_FLIP_RATE]:.2%} | "
+            f"{row[M.REPLAY_MISMATCH_ROWS]:.0f} |")
+    rep, nrep = stats[M.LOGPROB_ABS_DIFF], stats[M.LOGPROB_ABS_DIFF_NO_REPLAY]
+    flips = stats[M.ROUTING_FLIP_RATE]
+    lines.append(f"| mean | {_pm(rep['mean'], rep['mean_stderr'])} | {_pm(nrep['mean'], nrep['mean_stderr'])} | "
+                 f"{rep['mean'] / nrep['mean']:.2f} | {flips['mean']:.2%} | "
+                 f"{stats[M.REPLAY_MISMATCH_ROWS]['max']:.0f} |")
+    gap = nrep["mean"] - rep["mean"]
+    # the two figures share their samples; their errors are combined as if independent, which overstates it
+    joint = math.hypot(rep["mean_stderr"], nrep["mean_stderr"])
+    lines += [
+        "",
+        f"Replay removes {gap:.4f} of mismatch per sample ({gap / joint:.1f} standard errors; per-step ratio "
+        f"{stats[REPLAY_RATIO]['min']:.2f}-{stats[REPLAY_RATIO]['max']:.2f}). The run took {wall_s / 60:.1f} min "
+        f"(setup and {cfg.run.num_steps} steps, without the install).",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_readme(path: Path, block: str) -> None:
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path}: no readme_figures block (the lines {BEGIN!r} ... {END!r}) to replace")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(head + block + tail)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write-readme", action="store_true", help="replace the block in README.md")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (the README quotes the default run)")
+    args = parser.parse_args()
+    from r3rl.tracking.summary import print_summary
+
+    with tempfile.TemporaryDirectory(prefix="r3rl-figures-") as tmp:
+        cfg, history, wall_s = run_default(f"{tmp}/run", args.overrides)
+    print_summary(history, console=Console(width=160), title="default run")
+    block = readme_block(cfg, history, wall_s)
+    print(block)
+    if args.write_readme:
+        if args.overrides:
+            raise SystemExit("--write-readme quotes the default run only: drop the overrides")
+        write_readme(REPO / "README.md", block)
+        print(f"README.md: figures replaced")
+
+
+if __name__ == "__main__":
+    main()
