@@ -31,10 +31,11 @@ from r3rl.data.reward import shaped_math_reward
 from r3rl.models.tiny_moe import ensure_checkpoint
 from r3rl.orchestration.groups import EngineGroup, TrainerGroup
 from r3rl.orchestration.ray_cluster import start_or_attach
-from r3rl.plan import build_plan
+from r3rl.plan import build_plan, weight_sync_backend
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import EngineError
 from r3rl.rollout.store import save_rollout
+from r3rl.rollout.weight_transfer import EngineSet
 from r3rl.rollout.weights import update_weights_from_hf
 from r3rl.sample import Sample, SampleStatus
 from r3rl.tracking.offline_reader import read_runs
@@ -55,7 +56,7 @@ class GRPORecipe:
         self.plan = build_plan(cfg)
         self.run_dir = Path(cfg.run.output_dir).resolve()
         self.r3 = cfg.rollout.routing_replay
-        self.cluster = self.trainers = self.engines = self.logger = None
+        self.cluster = self.trainers = self.engines = self.logger = self.engine_set = None
         self.history: list[dict[str, float]] = []
         self.stop = False
 
@@ -91,6 +92,7 @@ class GRPORecipe:
             # launched engines were checked at start; an attached one is checked against this config here
             self.client.check_engines_sync()
         self._write_process_table()
+        self.open_weight_sync()
         if meta is not None:  # engines load the HF checkpoint; a resumed policy has moved on from it
             self.sync_weights(version=meta.step)
         self.logger = WandbLogger(cfg, self.plan.wandb, self.run_dir, resume_id=meta.wandb_run_id if meta else None)
@@ -210,11 +212,29 @@ class GRPORecipe:
             raise EngineError(f"step {step}: samples {aborted} were aborted by the engine; nothing was trained")
         return samples
 
+    def open_weight_sync(self) -> None:
+        """Join the trainer's sender and every engine worker in one transfer group (once; ``disk`` needs none)."""
+        self.weight_sync = weight_sync_backend(self.cfg)
+        self.engine_set = EngineSet(self.engines.urls, self.cfg.rollout.engine.request_timeout_s)
+        if self.weight_sync == "disk":
+            return
+        if self.weight_sync != "r3rl_gloo":
+            raise NotImplementedError(f"rollout.weight_sync.backend={self.weight_sync}: the recipe's sender speaks "
+                                      "r3rl_gloo and disk so far")
+        self.trainers.open_weight_transfer(self.engines.urls, loopback=self.cluster.started_here,
+                                           timeout_s=self.cfg.rollout.engine.request_timeout_s)
+
     def sync_weights(self, version: int) -> None:
-        weights_dir = self.run_dir / "weights"
-        exported = Path(self.trainers.call("export_hf", weights_dir))
-        for url in self.engines.urls:
-            update_weights_from_hf(url, exported, version)
+        if self.weight_sync == "disk":
+            exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
+            for url in self.engines.urls:
+                update_weights_from_hf(url, exported, version)
+            return
+        # pause -> start -> one broadcast per bucket into every engine -> finish(version) -> reset cache -> resume
+        self.engine_set.pause()
+        self.trainers.send_weights(version)
+        self.engine_set.reset_prefix_cache()
+        self.engine_set.resume()
 
     # ------------------------------------------------------------------ save / cleanup
     def save(self, step: int) -> Path:
@@ -224,6 +244,8 @@ class GRPORecipe:
         return folder
 
     def cleanup(self) -> None:
+        if self.engine_set is not None:
+            self.engine_set.close()
         for part in (self.engines, self.trainers):
             if part is not None:
                 part.shutdown()
