@@ -58,6 +58,8 @@ class GRPORecipe:
         self.r3 = cfg.rollout.routing_replay
         self.cluster = self.trainers = self.engines = self.logger = self.engine_set = None
         self.history: list[dict[str, float]] = []
+        self.colocated = self.plan.placement.colocated
+        self.engines_asleep = False
         self.stop = False
 
     # ------------------------------------------------------------------ setup
@@ -152,6 +154,10 @@ class GRPORecipe:
         if cfg.debug.save_rollout:
             save_rollout(samples, Path(cfg.debug.save_rollout) / f"step_{step:06d}.npz")
         batch = ray.put(samples)
+        if self.colocated:  # the GPUs go to the trainer: engines sleep, the optimizer state comes back
+            self.engine_set.sleep(cfg.rollout.weight_sync.sleep_level)
+            self.engines_asleep = True
+            self.trainers.call("onload_optimizer_state")
 
         # 2. log-probs: with the rollout's routes replayed (R3) and, on the same batch, without
         t = time.perf_counter()
@@ -172,6 +178,8 @@ class GRPORecipe:
         # 4. sync weights: the engines serve the new policy from the next step on
         t = time.perf_counter()
         self.sync_weights(version=step)
+        if self.colocated:  # the engines generate next: Adam's moments wait in host memory
+            self.trainers.call("offload_optimizer_state")
         timings["weight_sync"] = time.perf_counter() - t
 
         # 5. metrics: mismatch with and without replay on identical data, routing flips, rewards, perf
@@ -219,22 +227,33 @@ class GRPORecipe:
         if self.weight_sync == "disk":
             return
         if self.weight_sync != "r3rl_gloo":
-            raise NotImplementedError(f"rollout.weight_sync.backend={self.weight_sync}: the recipe's sender speaks "
-                                      "r3rl_gloo and disk so far")
+            # the engines were started for vLLM's nccl/ipc engine; r3rl's sender for those is not written yet
+            console.print(f"[yellow]rollout.weight_sync.backend={self.weight_sync}: r3rl sends r3rl_gloo only so "
+                          "far; syncing through disk[/]")
+            self.weight_sync = "disk"
+            return
         self.trainers.open_weight_transfer(self.engines.urls, loopback=self.cluster.started_here,
                                            timeout_s=self.cfg.rollout.engine.request_timeout_s)
 
     def sync_weights(self, version: int) -> None:
-        if self.weight_sync == "disk":
+        """pause (colocated: wake the sleeping engines' weights only) -> start -> one broadcast per bucket into every
+        engine -> finish(version) -> (colocated: wake the KV cache) -> reset prefix cache -> resume."""
+        asleep, self.engines_asleep = self.engines_asleep, False
+        if asleep:
+            self.engine_set.wake_up(["weights"])
+        if self.weight_sync == "disk":  # pause, load, reset, label and resume per engine (r3rl.rollout.weights)
             exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
             for url in self.engines.urls:
                 update_weights_from_hf(url, exported, version)
-            return
-        # pause -> start -> one broadcast per bucket into every engine -> finish(version) -> reset cache -> resume
-        self.engine_set.pause()
-        self.trainers.send_weights(version)
-        self.engine_set.reset_prefix_cache()
-        self.engine_set.resume()
+        else:
+            if not asleep:  # sleeping engines were paused by /sleep
+                self.engine_set.pause()
+            self.trainers.send_weights(version)
+        if asleep:
+            self.engine_set.wake_up(["kv_cache"])
+        if self.weight_sync != "disk":
+            self.engine_set.reset_prefix_cache()
+            self.engine_set.resume()
 
     # ------------------------------------------------------------------ save / cleanup
     def save(self, step: int) -> Path:

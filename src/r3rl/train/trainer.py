@@ -17,7 +17,7 @@ import torch
 
 from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
-from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, optim
+from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim
 from r3rl.train import model as model_lib
 from r3rl.train.batch import MicroBatch, RouteShape, build_micro_batch, plan_micro_batches
 from r3rl.train.layout import TokenLayout
@@ -453,6 +453,13 @@ class MegatronTrainer:
         """Write the current weights as an HF checkpoint (safetensors + config + tokenizer): every rank writes its
         own tensors bucket by bucket, rank 0 the index. Collective."""
         return export.write_hf(self.weight_stream(), out_dir, self.source)
+
+    def offload_optimizer_state(self) -> int:
+        """Optimizer state to host memory (colocated engines generate meanwhile); bytes moved."""
+        return offload.move_optimizer_state(self.optimizer, "cpu")
+
+    def onload_optimizer_state(self) -> int:
+        return offload.move_optimizer_state(self.optimizer, self.device)
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
         from megatron.core.tensor_parallel import random as mrandom

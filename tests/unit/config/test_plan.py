@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 
 from r3rl.plan import build_plan, describe
@@ -60,3 +61,20 @@ def test_dtype_auto_resolves_by_device(compose_cfg):
     gpu = build_plan(compose_cfg("model=qwen3_30b", "parallelism=colocated"))
     assert (cpu.engine_dtype, cpu.trainer_dtype) == ("float32", "float32")
     assert (gpu.engine_dtype, gpu.trainer_dtype) == ("bfloat16", "bfloat16")
+
+
+def transfer_config(argv) -> dict | None:
+    argv = list(argv)
+    return json.loads(argv[argv.index("--weight-transfer-config") + 1]) if "--weight-transfer-config" in argv else None
+
+
+def test_weight_transfer_backend_follows_the_layout(compose_cfg):
+    """auto: nccl for separate GPUs, ipc + sleep mode when colocated, r3rl_gloo on CPU, none for attached engines."""
+    (e,) = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4")).engines
+    assert transfer_config(e.argv) == {"backend": "nccl"} and "--enable-sleep-mode" not in e.argv
+    colocated = build_plan(compose_cfg("model=qwen3_30b", "parallelism=colocated")).engines
+    assert all(transfer_config(e.argv) == {"backend": "ipc"} and "--enable-sleep-mode" in e.argv for e in colocated)
+    (e,) = build_plan(compose_cfg("parallelism=cpu")).engines
+    assert transfer_config(e.argv) == {"backend": "r3rl_gloo"} and "--enable-sleep-mode" not in e.argv
+    (e,) = build_plan(compose_cfg("parallelism=cpu", "rollout.weight_sync.backend=disk")).engines
+    assert transfer_config(e.argv) is None

@@ -40,6 +40,13 @@ GPU = "parallelism=disaggregated_4p4"
         (["model.moe_topk=9"], "model.moe_topk"),
         (["rollout.engine.enable_prefix_caching=false"], "rollout.engine.enable_prefix_caching"),
         (["rollout.sampling.top_p=0.9"], "rollout.sampling.top_p"),
+        (["rollout.weight_sync.backend=rdma"], "rollout.weight_sync.backend"),
+        (["parallelism=cpu", "rollout.weight_sync.backend=nccl"], "rollout.weight_sync.backend"),
+        ([GPU, "rollout.weight_sync.backend=ipc"], "rollout.weight_sync.backend"),
+        (["rollout.engine.url=http://127.0.0.1:9999", "rollout.weight_sync.backend=r3rl_gloo"],
+         "rollout.weight_sync.backend"),
+        (["rollout.weight_sync.bucket_mb=0"], "rollout.weight_sync.bucket_mb"),
+        (["rollout.weight_sync.sleep_level=0"], "rollout.weight_sync.sleep_level"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
