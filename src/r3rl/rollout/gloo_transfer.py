@@ -4,7 +4,8 @@ It speaks vLLM's weight-transfer protocol unchanged (``/init_weight_transfer_eng
 ``/update_weights`` per bucket, ``/finish_weight_update``); only the wire is gloo over TCP: one group of the sending
 trainer rank (rank 0) and every worker of every engine (``rank_offset`` onwards), so one broadcast feeds all engines.
 A bucket travels packed in one flat byte buffer (one broadcast per bucket, tensors at 64-byte aligned offsets that
-both sides compute from the bucket's ``names``/``dtype_names``/``shapes``).
+both sides compute from the bucket's ``names``/``dtype_names``/``shapes``). When the sender and every engine share
+a host, the buffer is a file in /dev/shm instead, which the engines map and read in place (``shm_path``).
 
 Loading is vLLM's layerwise reload (start -> ``load_weights`` per bucket -> finish), with r3rl's CPU MoE repack
 around it (``worker_extension.MoERepack``): without it the CPU experts' grouped-GEMM prepack would be skipped and the
@@ -49,11 +50,12 @@ def packed_offsets(dtype_names: list[str], shapes: list[list[int]]) -> tuple[lis
     return offsets, size
 
 
-def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One CPU byte buffer holding ``tensors`` at ``packed_offsets``."""
+def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """One CPU byte buffer holding ``tensors`` at ``packed_offsets`` (in ``out``'s memory when it is large enough:
+    a warm buffer copies at memcpy speed, a fresh one pays a page fault per 4 KiB)."""
     offsets, size = packed_offsets([str(t.dtype).removeprefix("torch.") for t in tensors],
                                    [list(t.shape) for t in tensors])
-    buf = torch.empty(size, dtype=torch.uint8)
+    buf = out[:size] if out is not None and out.numel() >= size else torch.empty(size, dtype=torch.uint8)
     for t, off in zip(tensors, offsets):
         n = t.numel() * t.element_size()
         buf[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
@@ -114,6 +116,9 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    # the bucket's buffer as a shared-memory file the sender wrote (sender and engines on one host): read in place
+    # instead of broadcast, so the bytes are copied once by the sender and once into the model
+    shm_path: str | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
@@ -167,8 +172,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self._repack is None:
             raise RuntimeError(f"{BACKEND}: update_weights before start_weight_update")
         _, size = packed_offsets(update_info.dtype_names, update_info.shapes)
-        buf = torch.empty(size, dtype=torch.uint8)
-        self.group.broadcast(buf, 0).wait()
+        if update_info.shm_path is not None:
+            # private mapping: reading costs no copy; the sender unlinks the file after the update
+            buf = torch.from_file(update_info.shm_path, shared=False, size=size, dtype=torch.uint8)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+            self.group.broadcast(buf, 0).wait()
         self.model.load_weights(unpack(buf, update_info.names, update_info.dtype_names, update_info.shapes))
         self.received_tensors += len(update_info.names)
 

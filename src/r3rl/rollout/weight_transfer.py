@@ -15,10 +15,15 @@ Every call goes to all engines concurrently, so N engines take the time of one. 
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -130,12 +135,16 @@ class SendStats:
     tensors: int
     bytes: int
     seconds: float
+    pack_s: float  # copying buckets into the wire buffer
+    wire_s: float  # the broadcasts
+    load_s: float  # waiting for the engines to finish loading the last bucket
 
 
 class GlooSender:
     """Rank 0 of the ``r3rl_gloo`` group; every worker of every engine joins it at ``init``."""
 
-    def __init__(self, engines: EngineSet, master_address: str, master_port: int, timeout_s: float = 600.0):
+    def __init__(self, engines: EngineSet, master_address: str, master_port: int, timeout_s: float = 600.0,
+                 *, shared_memory: bool | None = None):
         from r3rl.rollout.gloo_transfer import open_group
 
         self.engines = engines
@@ -154,6 +163,11 @@ class GlooSender:
             raise
         engines.wait(futures)
         self.world_size = world
+        self._buf = None  # the warm pack buffer, as large as the largest bucket so far
+        # on loopback every engine can map the sender's files: one copy in, one copy out, no sockets
+        self.shared_memory = master_address in ("127.0.0.1", "localhost") if shared_memory is None \
+            else shared_memory
+        self._shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
     def _name_failure(self, futures, err: BaseException, what: str) -> None:
         """Turn a transport error into an ``EngineError`` naming the engine at fault (an HTTP failure, or else the
@@ -172,12 +186,22 @@ class GlooSender:
 
     def send(self, buckets: Iterable[list[tuple[str, Any]]], version: int | str) -> SendStats:
         """Stream ``buckets`` (lists of ``(hf_name, tensor)``) to every engine; the weights are labelled ``version``.
-        The bucket iterator is always run to its end (the trainer's other ranks take part in producing it)."""
-        from r3rl.rollout.gloo_transfer import pack
+
+        Pipelined: while the engines load bucket k (their /update_weights answer), bucket k+1 is produced and packed
+        (into the warm broadcast buffer, or a shared-memory file the engines map); at most two buckets are in
+        flight. The bucket iterator is always run to its end (the trainer's other ranks take part in producing it).
+        """
+
+        import torch
+
+        from r3rl.rollout.gloo_transfer import pack, packed_offsets
 
         start = time.perf_counter()
         it = iter(buckets)
         count = tensors = nbytes = 0
+        pack_s = wire_s = 0.0
+        pending: list = []
+        files: list[Path] = []
         try:
             self.engines.start_weight_update()
             for bucket in it:
@@ -187,24 +211,52 @@ class GlooSender:
                 ts = [t.detach().cpu() for _, t in bucket]
                 info = {"names": names, "dtype_names": [str(t.dtype).removeprefix("torch.") for t in ts],
                         "shapes": [list(t.shape) for t in ts]}
-                futures = self.engines.submit("/update_weights", "receiving weights", json={"update_info": info})
-                buf = pack(ts)
+                t0 = time.perf_counter()
+                _, size = packed_offsets(info["dtype_names"], info["shapes"])
+                # a small /dev/shm (containers default to 64 MiB) would fail the write: broadcast those buckets
+                shm = self.shared_memory and shutil.disk_usage(self._shm_dir).free > 2 * size
+                if shm:
+                    path = self._shm_dir / f"r3rl-weights-{os.getpid()}-{uuid.uuid4().hex}"
+                    files.append(path)
+                    buf = pack(ts, torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8))
+                    info["shm_path"] = str(path)
+                else:
+                    buf = pack(ts, self._buf)
+                    if self._buf is None or buf.numel() > self._buf.numel():
+                        self._buf = buf
                 del ts, bucket
-                try:
-                    self.group.broadcast(buf, 0).wait()
-                except Exception as err:
-                    self._name_failure(futures, err, "the weight transfer")
-                    raise
-                self.engines.wait(futures)
+                t1 = time.perf_counter()
+                futures = self.engines.submit("/update_weights", "receiving weights", json={"update_info": info})
+                pending.append(futures)
+                if not shm:
+                    try:
+                        self.group.broadcast(buf, 0).wait()
+                    except Exception as err:
+                        self._name_failure([f for fs in pending for f in fs], err, "the weight transfer")
+                        raise
+                pack_s, wire_s = pack_s + t1 - t0, wire_s + time.perf_counter() - t1
+                # at most two buckets in flight: the engines load one while the next is produced and packed
+                while len(pending) > 1:
+                    self.engines.wait(pending.pop(0))
+                    for path in files[:-1] if shm else files:  # mapped (privately) by the engines: names can go
+                        path.unlink(missing_ok=True)
+                    files = files[-1:] if shm else []
                 count += 1
                 tensors += len(names)
                 nbytes += buf.numel()
+            t2 = time.perf_counter()
+            for futures in pending:
+                self.engines.wait(futures)
+            load_tail = time.perf_counter() - t2
             self.engines.finish_weight_update(version)
         except BaseException:
             for _ in it:  # keep the other trainer ranks' sends matched, so the trainer stays usable
                 pass
             raise
-        return SendStats(version, count, tensors, nbytes, time.perf_counter() - start)
+        finally:
+            for path in files:  # engines that mapped a file keep its pages until they drop the mapping
+                path.unlink(missing_ok=True)
+        return SendStats(version, count, tensors, nbytes, time.perf_counter() - start, pack_s, wire_s, load_tail)
 
     def close(self) -> None:
-        self.group = self._store = None
+        self.group = self._store = self._buf = None
