@@ -62,6 +62,18 @@ def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.
     return buf
 
 
+def write_packed(path, tensors: list[torch.Tensor], size: int) -> None:
+    """``pack`` into a file with plain writes (the kernel copies into page-cache pages it allocates in bulk, far
+    cheaper than faulting in a fresh shared mapping page by page)."""
+    offsets, _ = packed_offsets([str(t.dtype).removeprefix("torch.") for t in tensors],
+                                [list(t.shape) for t in tensors])
+    with open(path, "wb") as fh:
+        for t, off in zip(tensors, offsets):
+            fh.seek(off)
+            fh.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        fh.truncate(size)
+
+
 def unpack(buf: torch.Tensor, names: list[str], dtype_names: list[str], shapes: list[list[int]]
            ) -> list[tuple[str, torch.Tensor]]:
     """Views into ``buf`` (no copy), one per tensor."""

@@ -192,9 +192,7 @@ class GlooSender:
         flight. The bucket iterator is always run to its end (the trainer's other ranks take part in producing it).
         """
 
-        import torch
-
-        from r3rl.rollout.gloo_transfer import pack, packed_offsets
+        from r3rl.rollout.gloo_transfer import pack, packed_offsets, write_packed
 
         start = time.perf_counter()
         it = iter(buckets)
@@ -218,7 +216,8 @@ class GlooSender:
                 if shm:
                     path = self._shm_dir / f"r3rl-weights-{os.getpid()}-{uuid.uuid4().hex}"
                     files.append(path)
-                    buf = pack(ts, torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8))
+                    write_packed(path, ts, size)
+                    buf = None
                     info["shm_path"] = str(path)
                 else:
                     buf = pack(ts, self._buf)
@@ -243,7 +242,7 @@ class GlooSender:
                     files = files[-1:] if shm else []
                 count += 1
                 tensors += len(names)
-                nbytes += buf.numel()
+                nbytes += size
             t2 = time.perf_counter()
             for futures in pending:
                 self.engines.wait(futures)

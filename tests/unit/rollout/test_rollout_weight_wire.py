@@ -28,3 +28,16 @@ def test_mixed_dtypes_round_trip_exactly_at_aligned_offsets():
 def test_update_info_lists_must_agree():
     with pytest.raises(ValueError, match="same length"):
         GlooUpdateInfo(names=["a", "b"], dtype_names=["float32"], shapes=[[1], [2]])
+
+
+def test_file_layout_equals_the_buffer_layout(tmp_path):
+    from r3rl.rollout.gloo_transfer import write_packed
+
+    tensors = [torch.arange(10, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16), torch.arange(5)]
+    buf = pack(tensors)
+    write_packed(tmp_path / "bucket", tensors, buf.numel())
+    data = torch.frombuffer(bytearray((tmp_path / "bucket").read_bytes()), dtype=torch.uint8)
+    assert data.numel() == buf.numel()
+    dtypes, shapes = [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors]
+    for (_, got), want in zip(unpack(data, ["a", "b", "c"], dtypes, shapes), tensors):
+        assert torch.equal(got, want)
