@@ -31,10 +31,11 @@ from r3rl.data.reward import shaped_math_reward
 from r3rl.models.tiny_moe import ensure_checkpoint
 from r3rl.orchestration.groups import EngineGroup, TrainerGroup
 from r3rl.orchestration.ray_cluster import start_or_attach
-from r3rl.plan import build_plan
+from r3rl.plan import build_plan, weight_sync_backend
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import EngineError
 from r3rl.rollout.store import save_rollout
+from r3rl.rollout.weight_transfer import EngineSet
 from r3rl.rollout.weights import update_weights_from_hf
 from r3rl.sample import Sample, SampleStatus
 from r3rl.tracking.finished import finished_step, report_finished
@@ -56,8 +57,10 @@ class GRPORecipe:
         self.plan = build_plan(cfg)
         self.run_dir = Path(cfg.run.output_dir).resolve()
         self.r3 = cfg.rollout.routing_replay
-        self.cluster = self.trainers = self.engines = self.logger = None
+        self.cluster = self.trainers = self.engines = self.logger = self.engine_set = None
         self.history: list[dict[str, float]] = []
+        self.colocated = self.plan.placement.colocated
+        self.engines_asleep = False
         self.stop = False
 
     # ------------------------------------------------------------------ setup
@@ -92,6 +95,7 @@ class GRPORecipe:
             # launched engines were checked at start; an attached one is checked against this config here
             self.client.check_engines_sync()
         self._write_process_table()
+        self.open_weight_sync()
         if meta is not None:  # engines load the HF checkpoint; a resumed policy has moved on from it
             self.sync_weights(version=meta.step)
         self.logger = WandbLogger(cfg, self.plan.wandb, self.run_dir, resume_id=meta.wandb_run_id if meta else None)
@@ -159,6 +163,10 @@ class GRPORecipe:
         if cfg.debug.save_rollout:
             save_rollout(samples, Path(cfg.debug.save_rollout) / f"step_{step:06d}.npz")
         batch = ray.put(samples)
+        if self.colocated:  # the GPUs go to the trainer: engines sleep, the optimizer state comes back
+            self.engine_set.sleep(cfg.rollout.weight_sync.sleep_level)
+            self.engines_asleep = True
+            self.trainers.call("onload_optimizer_state")
 
         # 2. log-probs: with the rollout's routes replayed (R3) and, on the same batch, without
         t = time.perf_counter()
@@ -179,6 +187,8 @@ class GRPORecipe:
         # 4. sync weights: the engines serve the new policy from the next step on
         t = time.perf_counter()
         self.sync_weights(version=step)
+        if self.colocated:  # the engines generate next: Adam's moments wait in host memory
+            self.trainers.call("offload_optimizer_state")
         timings["weight_sync"] = time.perf_counter() - t
 
         # 5. metrics: mismatch with and without replay on identical data, routing flips, rewards, perf
@@ -214,11 +224,40 @@ class GRPORecipe:
             raise EngineError(f"step {step}: samples {aborted} were aborted by the engine; nothing was trained")
         return samples
 
+    def open_weight_sync(self) -> None:
+        """Join the trainer's sender and every engine worker in one transfer group (once; ``disk`` needs none)."""
+        self.weight_sync = weight_sync_backend(self.cfg)
+        self.engine_set = EngineSet(self.engines.urls, self.cfg.rollout.engine.request_timeout_s)
+        if self.weight_sync == "disk":
+            return
+        if self.weight_sync != "r3rl_gloo":
+            # the engines were started for vLLM's nccl/ipc engine; r3rl's sender for those is not written yet
+            console.print(f"[yellow]rollout.weight_sync.backend={self.weight_sync}: r3rl sends r3rl_gloo only so "
+                          "far; syncing through disk[/]")
+            self.weight_sync = "disk"
+            return
+        self.trainers.open_weight_transfer(self.engines.urls, loopback=self.cluster.started_here,
+                                           timeout_s=self.cfg.rollout.engine.request_timeout_s)
+
     def sync_weights(self, version: int) -> None:
-        weights_dir = self.run_dir / "weights"
-        exported = Path(self.trainers.call("export_hf", weights_dir))
-        for url in self.engines.urls:
-            update_weights_from_hf(url, exported, version)
+        """pause (colocated: wake the sleeping engines' weights only) -> start -> one broadcast per bucket into every
+        engine -> finish(version) -> (colocated: wake the KV cache) -> reset prefix cache -> resume."""
+        asleep, self.engines_asleep = self.engines_asleep, False
+        if asleep:
+            self.engine_set.wake_up(["weights"])
+        if self.weight_sync == "disk":  # pause, load, reset, label and resume per engine (r3rl.rollout.weights)
+            exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
+            for url in self.engines.urls:
+                update_weights_from_hf(url, exported, version)
+        else:
+            if not asleep:  # sleeping engines were paused by /sleep
+                self.engine_set.pause()
+            self.trainers.send_weights(version)
+        if asleep:
+            self.engine_set.wake_up(["kv_cache"])
+        if self.weight_sync != "disk":
+            self.engine_set.reset_prefix_cache()
+            self.engine_set.resume()
 
     # ------------------------------------------------------------------ save / cleanup
     def save(self, step: int) -> Path:
@@ -228,6 +267,8 @@ class GRPORecipe:
         return folder
 
     def cleanup(self) -> None:
+        if self.engine_set is not None:
+            self.engine_set.close()
         for part in (self.engines, self.trainers):
             if part is not None:
                 part.shutdown()

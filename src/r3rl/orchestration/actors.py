@@ -21,6 +21,7 @@ class TrainerActor:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size, self.trainer = rank, world_size, None
+        self.sender = None
 
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rendezvous address for torch.distributed: loopback on a one-node local cluster, else this node's IP."""
@@ -42,7 +43,28 @@ class TrainerActor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.trainer, method)(*args, **kwargs)
 
+    # weight transfer: the trainer produces HF buckets, rank 0 sends them over vLLM's protocol (r3rl.rollout)
+    def open_weight_transfer(self, urls: list[str], loopback: bool, timeout_s: float) -> None:
+        if self.rank != 0:
+            return
+        from r3rl.rollout.weight_transfer import EngineSet, GlooSender
+
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        self.sender = GlooSender(EngineSet(urls, timeout_s), host, free_port(host), timeout_s)
+
+    def send_weights(self, version: int) -> dict[str, Any]:
+        buckets = self.trainer.weight_stream().stream(dst=0)
+        if self.rank != 0:
+            for _ in buckets:  # the other ranks gather their shards towards rank 0, bucket by bucket
+                pass
+            return {}
+        return dataclasses.asdict(self.sender.send(buckets, version))
+
     def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.engines.close()
+            self.sender.close()
+            self.sender = None
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None

@@ -9,7 +9,8 @@ re-runs), and the result is copied into the original storage by vLLM's layerwise
 whose update path is complete) this is vLLM's reload unchanged.
 
 Reached through ``POST /collective_rpc {"method": "r3rl_update_weights_from_hf", "args": [hf_dir]}``; it imports
-nothing from r3rl so the worker does not load the client side.
+nothing from r3rl so the worker does not load the client side. ``MoERepack`` is the same fix around a transfer
+through vLLM's weight-transfer engine (``r3rl.rollout.gloo_transfer``).
 """
 
 from __future__ import annotations
@@ -50,17 +51,40 @@ def _experts_that_prepack(model: Any) -> list[Any]:
     return methods
 
 
+class MoERepack:
+    """Around one weight update: the MoE layers whose experts prepack take the first-load path (kernel rebuilt,
+    prepack re-run). ``finish`` after the update checks every such layer was rebuilt; ``abort`` restores the kernels
+    when the update failed (the weights are then whatever was loaded so far)."""
+
+    def __init__(self, model: Any) -> None:
+        self.methods = _experts_that_prepack(model)
+        self.kernels = [m.moe_kernel for m in self.methods]
+        # "no kernel yet" is what makes the MoE method take the first-load path (kernel build + prepack)
+        for method in self.methods:
+            method.moe_kernel = None
+
+    def abort(self) -> None:
+        for method, kernel in zip(self.methods, self.kernels):
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
+
+    def finish(self) -> int:
+        not_rebuilt = [i for i, m in enumerate(self.methods) if m.moe_kernel is None]
+        for i in not_rebuilt:
+            self.methods[i].moe_kernel = self.kernels[i]
+        if not_rebuilt:
+            raise RuntimeError(f"{len(not_rebuilt)} MoE layers were not reloaded (missing expert weights in the "
+                               "update?); their weights are unchanged")
+        return len(self.methods)
+
+
 class R3RLWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``reload_weights``)."""
 
     def r3rl_update_weights_from_hf(self, hf_dir: str) -> dict[str, Any]:
         path = Path(hf_dir)
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        methods = _experts_that_prepack(model)
-        kernels = [m.moe_kernel for m in methods]
-        # "no kernel yet" is what makes the MoE method take the first-load path (kernel build + prepack)
-        for method in methods:
-            method.moe_kernel = None
+        repack = MoERepack(model)
         counter = {"tensors": 0}
 
         def counted() -> Iterator[tuple[str, Any]]:
@@ -71,14 +95,13 @@ class R3RLWorkerExtension:
         try:
             self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)  # type: ignore[attr-defined]
         except BaseException:
-            for method, kernel in zip(methods, kernels):
-                if method.moe_kernel is None:
-                    method.moe_kernel = kernel
+            repack.abort()
             raise
-        not_rebuilt = [i for i, m in enumerate(methods) if m.moe_kernel is None]
-        for i in not_rebuilt:
-            methods[i].moe_kernel = kernels[i]
-        if not_rebuilt:
-            raise RuntimeError(f"{len(not_rebuilt)} MoE layers were not reloaded from {hf_dir} (missing expert "
-                               "weights in the checkpoint?); their weights are unchanged")
-        return {"tensors": counter["tensors"], "moe_layers_reprocessed": len(methods), "path": str(path)}
+        layers = repack.finish()
+        return {"tensors": counter["tensors"], "moe_layers_reprocessed": layers, "path": str(path)}
+
+    def r3rl_transfer_stats(self) -> dict[str, Any]:
+        """What the weight-transfer engine received in the last update (tests read it through /collective_rpc)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return {"backend": type(engine).__name__ if engine is not None else None,
+                "received_tensors": getattr(engine, "received_tensors", None)}

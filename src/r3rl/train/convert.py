@@ -2,8 +2,8 @@
 
 The mapping works on full (unsharded) tensors; ``shard``/``gather`` move between a full tensor and this rank's
 tensor-parallel slice, and expert ids are offset by the expert-parallel rank. Loading reads only the tensors this
-rank needs from the safetensors files; export gathers every rank's parameters to global rank 0, which writes an HF
-folder (safetensors + the source checkpoint's config and tokenizer) that vLLM and transformers load as is.
+rank needs from the safetensors files; export streams bucket by bucket (``r3rl.train.export``) and every rank writes
+its own share of an HF folder that vLLM and transformers load as is.
 
 Layouts (Megatron side):
 - ``linear_qkv`` rows are grouped per query group g: ``[q rows of g's heads; k_g; v_g]``;
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,6 @@ from pathlib import Path
 import torch
 
 from r3rl.config.schema import ModelConfig
-from r3rl.fsutil import atomic_folder
 
 
 @dataclass(frozen=True)
@@ -263,7 +261,7 @@ def _refs(model, info: ShardInfo) -> list[tuple[str, torch.nn.Parameter, ParamRe
     return [(n, p, parse_name(n, layers, offset)) for n, p in model.named_parameters()]
 
 
-def _partition_dim(param: torch.nn.Parameter) -> int | None:
+def partition_dim(param: torch.nn.Parameter) -> int | None:
     return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
 
 
@@ -275,7 +273,7 @@ def load_hf(model, checkpoint: HFCheckpoint, shape: AttentionShape, info: ShardI
     for name, param, ref in _refs(model, info):
         full = full_from_hf(ref, checkpoint.get, shape)
         size, rank = info.of(ref)
-        local = shard(full, ref, _partition_dim(param), size, rank)
+        local = shard(full, ref, partition_dim(param), size, rank)
         if tuple(local.shape) != tuple(param.shape):
             raise ValueError(f"{name}: HF gives {tuple(local.shape)} for this rank, the model has {tuple(param.shape)}")
         param.copy_(local.to(param.dtype))
@@ -283,77 +281,6 @@ def load_hf(model, checkpoint: HFCheckpoint, shape: AttentionShape, info: ShardI
     return count
 
 
-@torch.no_grad()
-def gather_hf(model, shape: AttentionShape, info: ShardInfo | None = None) -> dict[str, torch.Tensor] | None:
-    """Every rank's parameters as full HF tensors on global rank 0 (None on other ranks). Collective."""
-    from megatron.core import parallel_state as ps
-
-    info = info or ShardInfo.current(model)
-    distributed = torch.distributed.is_initialized()
-    dense_owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and info.tp_rank == 0
-    expert_owner = ps.get_expert_data_parallel_rank() == 0 and info.etp_rank == 0
-    local: dict[str, torch.Tensor] = {}
-    for _, param, ref in _refs(model, info):
-        expert = ref.kind in ("fc1", "fc2")
-        size, _ = info.of(ref)
-        pdim = _partition_dim(param)
-        data = param.detach()
-        if pdim is not None and size > 1:
-            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-            pieces = [torch.empty_like(data) for _ in range(size)]
-            torch.distributed.all_gather(pieces, data.contiguous(), group=group)
-            data = unshard(pieces, ref, pdim)
-        if expert_owner if expert else dense_owner:
-            local.update({k: v.cpu().clone() for k, v in full_to_hf(ref, data, shape).items()})
-    if not distributed or torch.distributed.get_world_size() == 1:
-        return local
-    gathered: list[dict | None] = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 \
-        else None
-    torch.distributed.gather_object(local, gathered, dst=0)
-    if torch.distributed.get_rank() != 0:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
-
-
 TOKENIZER_AND_CONFIG = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
                         "tokenizer.model", "added_tokens.json")
-
-
-def save_hf(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, source_dir: str | os.PathLike,
-            max_shard_bytes: int = 4 << 30) -> Path:
-    """Write an HF checkpoint folder atomically: safetensors (sharded with an index above ``max_shard_bytes``) plus
-    the source checkpoint's config, generation config and tokenizer files."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    with atomic_folder(out) as tmp:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name in sorted(tensors):
-            t = tensors[name].contiguous()
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, part in enumerate(shards):
-                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(part, str(tmp / file), metadata={"format": "pt"})
-                weight_map.update({k: file for k in part})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        src = Path(source_dir)
-        for name in TOKENIZER_AND_CONFIG:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / name)
-    return out

@@ -17,7 +17,7 @@ import torch
 
 from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
-from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, grpo, optim
+from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim
 from r3rl.train import model as model_lib
 from r3rl.train.batch import MicroBatch, RouteShape, build_micro_batch, plan_micro_batches, plan_token_micro_batches
 from r3rl.train.layout import TokenLayout
@@ -45,6 +45,7 @@ class MegatronTrainer:
         self._closed = True
         self.routers: list = []
         self.replay = None
+        self._weight_stream: export.HFBucketStream | None = None
         par = cfg.parallelism.trainer
         self.info = distributed.init(
             distributed.Layout(par.tensor_parallel, par.pipeline_parallel, par.expert_parallel,
@@ -456,15 +457,25 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------------ weights
 
+    def weight_stream(self) -> export.HFBucketStream:
+        """The weights as HF-named tensors in buckets of ``rollout.weight_sync.bucket_mb`` (what a weight sync
+        sends). The plan is built once (collective); the stream reads the live parameters every time."""
+        if self._weight_stream is None:
+            bucket = int(self.cfg.rollout.weight_sync.bucket_mb * (1 << 20))
+            self._weight_stream = export.HFBucketStream(self.bare, self.attention, bucket)
+        return self._weight_stream
+
     def export_hf(self, out_dir: str | Path) -> Path:
-        """Write the current weights as an HF checkpoint (safetensors + config + tokenizer). Collective."""
-        tensors = convert.gather_hf(self.bare, self.attention)
-        out = Path(out_dir)
-        if self.info.rank == 0:
-            convert.save_hf(tensors, out, self.source)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        return out
+        """Write the current weights as an HF checkpoint (safetensors + config + tokenizer): every rank writes its
+        own tensors bucket by bucket, rank 0 the index. Collective."""
+        return export.write_hf(self.weight_stream(), out_dir, self.source)
+
+    def offload_optimizer_state(self) -> int:
+        """Optimizer state to host memory (colocated engines generate meanwhile); bytes moved."""
+        return offload.move_optimizer_state(self.optimizer, "cpu")
+
+    def onload_optimizer_state(self) -> int:
+        return offload.move_optimizer_state(self.optimizer, self.device)
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
         from megatron.core.tensor_parallel import random as mrandom
@@ -505,7 +516,7 @@ class MegatronTrainer:
             self.replay.clear()
         if self.routers:
             forget_instances(self.routers)
-        self.model = self.bare = self.ref_model = self.optimizer = None
+        self.model = self.bare = self.ref_model = self.optimizer = self._weight_stream = None
         self.routers = []
         distributed.release()
 

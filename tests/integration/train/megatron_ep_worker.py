@@ -1,6 +1,7 @@
 """One rank of a multi-process trainer run (started by test_megatron_expert_parallel with RANK/WORLD_SIZE set).
 
 Usage: python megatron_ep_worker.py IN.pkl OUT.pkl OVERRIDE...   (rank 0 writes OUT.pkl)
+       python megatron_ep_worker.py export DIR OVERRIDE...          (rank r writes DIR/rank{r}.pkl)
 """
 
 from __future__ import annotations
@@ -34,7 +35,40 @@ def run(samples, advantages, overrides: list[str]) -> dict:
         trainer.shutdown()
 
 
+def export(out_dir: str, overrides: list[str]) -> dict:
+    """HF export to ``out_dir/hf`` and one streamed sync to rank 0, with the bytes this rank held at peak."""
+    from pathlib import Path
+
+    from r3rl.config import compose
+    from r3rl.train.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", *overrides]))
+    try:
+        trainer.export_hf(Path(out_dir) / "hf")
+        stream = trainer.weight_stream()
+        export_peak = stream.stats.peak_bytes
+        received = {}
+        sizes = []
+        for bucket in stream.stream(dst=0):
+            received.update({n: t.clone() for n, t in bucket})
+            sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        return {
+            "rank": trainer.info.rank, "export_peak": export_peak, "sync_peak": stream.stats.peak_bytes,
+            "total": stream.total_bytes, "largest_item": max(i.nbytes for i in stream.items),
+            "bucket_bytes": stream.bucket_bytes, "buckets": len(stream.buckets), "received": received,
+            "bucket_sizes": sizes, "metadata": [(m.name, m.shape, m.dtype) for m in stream.metadata()],
+        }
+    finally:
+        trainer.shutdown()
+
+
 def main() -> None:
+    if sys.argv[1] == "export":
+        out_dir, *overrides = sys.argv[2:]
+        result = export(out_dir, overrides)
+        with open(os.path.join(out_dir, f"rank{result['rank']}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        return
     src, dst, *overrides = sys.argv[1:]
     with open(src, "rb") as f:
         samples, advantages = pickle.load(f)

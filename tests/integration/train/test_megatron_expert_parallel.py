@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import json
+
 import numpy as np
+from safetensors.torch import load_file
 
 from megatron_ep_worker import run
 from megatron_helpers import build_samples, random_routes, with_routes
@@ -73,3 +76,46 @@ def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir):
     for key in ("loss", "pg_loss", "clip_frac", "loss_tokens"):
         assert abs(ep["metrics"][key] - single["metrics"][key]) <= 1e-6 * max(1.0, abs(single["metrics"][key])), key
     assert abs(ep["metrics"]["grad_norm"] - single["metrics"]["grad_norm"]) <= 1e-5 * single["metrics"]["grad_norm"]
+
+
+def test_expert_parallel_2_streams_buckets_and_no_rank_gathers_the_model(tmp_path, tiny_model_dir):
+    """Export and sync on EP 2: every rank writes its own experts, the sender gets one bucket at a time, and the
+    bytes each rank holds at peak stay within one bucket (plus the largest tensor), far below the model."""
+    procs = launch(2, ["export", str(tmp_path), "rollout.weight_sync.bucket_mb=0.25", *EP2], tmp_path)
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        stop(procs)
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2))
+    assert all(p.returncode == 0 for p in procs), logs
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    source = {}
+    for f in sorted(tiny_model_dir.glob("*.safetensors")):
+        source.update(load_file(str(f)))
+    total = ranks[0]["total"]
+    assert total == sum(t.numel() * t.element_size() for t in source.values())
+    assert ranks[0]["buckets"] > 4
+    for r in ranks:
+        limit = r["bucket_bytes"] + r["largest_item"]
+        # the old export gathered everything on rank 0 (peak >= total); here no rank comes near it
+        assert 0 < r["export_peak"] <= limit and r["sync_peak"] <= limit, (r["rank"], r["export_peak"], limit)
+        assert r["export_peak"] < total / 4 and r["sync_peak"] < total / 4
+        assert r["metadata"] == ranks[0]["metadata"]  # one plan on every rank
+    # export: each rank wrote its own files (rank 1 holds experts 4-7), one index maps every tensor
+    out = tmp_path / "hf"
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map.keys() == source.keys()
+    assert {f.split("-bucket")[0] for f in weight_map.values()} == {"model-rank00000", "model-rank00001"}
+    assert all("rank00001" in weight_map[f"model.layers.{l}.mlp.experts.{e}.down_proj.weight"]
+               for l in range(4) for e in range(4, 8))
+    exported = {}
+    for f in sorted(set(weight_map.values())):
+        exported.update(load_file(str(out / f)))
+    assert exported.keys() == source.keys()
+    assert all(bool((exported[k] == v).all()) for k, v in source.items())
+    assert (out / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
+    # sync: rank 0 received the whole model bucket by bucket, exactly; rank 1 kept nothing
+    assert ranks[0]["received"].keys() == source.keys() and not ranks[1]["received"]
+    assert all(bool((ranks[0]["received"][k] == v).all()) for k, v in source.items())
+    assert max(ranks[0]["bucket_sizes"]) <= ranks[0]["bucket_bytes"] + ranks[0]["largest_item"]

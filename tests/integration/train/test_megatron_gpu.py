@@ -106,5 +106,25 @@ def test_transformer_engine_names_convert_exactly(tiny_model_dir, tmp_path):
         trainer.shutdown()
     from safetensors.torch import load_file
 
-    src, dst = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    src = load_file(str(tiny_model_dir / "model.safetensors"))
+    dst = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
+
+
+def test_optimizer_state_leaves_the_gpu_while_engines_generate(batch, tiny_model_dir):
+    """Colocated handoff, trainer side: Adam's moments move to host memory and back, and training goes on."""
+    from r3rl.config import compose
+    from r3rl.train.trainer import MegatronTrainer
+
+    samples, adv = batch
+    trainer = MegatronTrainer(compose(["model=tiny_moe", "algorithm.global_batch_size=8"] + gpu_overrides(1)))
+    try:
+        trainer.train_step(samples, adv, replay=True)  # Adam's state exists from the first step on
+        held = torch.cuda.memory_allocated()
+        moved = trainer.offload_optimizer_state()
+        assert moved > 0 and torch.cuda.memory_allocated() <= held - moved
+        assert trainer.onload_optimizer_state() == moved
+        assert torch.cuda.memory_allocated() == held
+        assert np.isfinite(trainer.train_step(samples, adv, replay=True)["loss"])
+    finally:
+        trainer.shutdown()

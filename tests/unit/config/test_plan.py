@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 
 from r3rl.config import compose
@@ -145,3 +146,20 @@ def test_engine_host_key_chooses_the_bind_address(compose_cfg):
     assert every.argv[every.argv.index("--host") + 1] == "0.0.0.0" and every.url == "http://<ip of node 1>:8100"
     fixed = build_plan(compose_cfg(*base, "rollout.engine.host=192.168.7.9")).engines[0]
     assert fixed.argv[fixed.argv.index("--host") + 1] == "192.168.7.9" and fixed.url == "http://192.168.7.9:8100"
+
+
+def transfer_config(argv) -> dict | None:
+    argv = list(argv)
+    return json.loads(argv[argv.index("--weight-transfer-config") + 1]) if "--weight-transfer-config" in argv else None
+
+
+def test_weight_transfer_backend_follows_the_layout(compose_cfg):
+    """auto: nccl for separate GPUs, ipc + sleep mode when colocated, r3rl_gloo on CPU, none for attached engines."""
+    (e,) = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4")).engines
+    assert transfer_config(e.argv) == {"backend": "nccl"} and "--enable-sleep-mode" not in e.argv
+    colocated = build_plan(compose_cfg("model=qwen3_30b", "parallelism=colocated", COLOCATED_SHARE)).engines
+    assert all(transfer_config(e.argv) == {"backend": "ipc"} and "--enable-sleep-mode" in e.argv for e in colocated)
+    (e,) = build_plan(compose_cfg("parallelism=cpu")).engines
+    assert transfer_config(e.argv) == {"backend": "r3rl_gloo"} and "--enable-sleep-mode" not in e.argv
+    (e,) = build_plan(compose_cfg("parallelism=cpu", "rollout.weight_sync.backend=disk")).engines
+    assert transfer_config(e.argv) is None

@@ -51,6 +51,13 @@ GPU = "parallelism=disaggregated_4p4"
           "parallelism.trainer.expert_parallel=2"], "trainer.max_tokens_per_micro_batch"),
         ([GPU, "model=qwen3_30b", "trainer.optimizer_cpu_offload=false"], "parallelism.gpu_memory_gib"),
         (["model=qwen3_30b", "parallelism=colocated"], "parallelism.gpu_memory_gib"),
+        (["rollout.weight_sync.backend=rdma"], "rollout.weight_sync.backend"),
+        (["parallelism=cpu", "rollout.weight_sync.backend=nccl"], "rollout.weight_sync.backend"),
+        ([GPU, "rollout.weight_sync.backend=ipc"], "rollout.weight_sync.backend"),
+        (["rollout.engine.url=http://127.0.0.1:9999", "rollout.weight_sync.backend=r3rl_gloo"],
+         "rollout.weight_sync.backend"),
+        (["rollout.weight_sync.bucket_mb=0"], "rollout.weight_sync.bucket_mb"),
+        (["rollout.weight_sync.sleep_level=0"], "rollout.weight_sync.sleep_level"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

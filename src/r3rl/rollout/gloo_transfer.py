@@ -1,0 +1,210 @@
+"""``r3rl_gloo``: a vLLM weight-transfer engine for the CPU profile (vLLM's NCCL and IPC engines need CUDA).
+
+It speaks vLLM's weight-transfer protocol unchanged (``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights`` per bucket, ``/finish_weight_update``); only the wire is gloo over TCP: one group of the sending
+trainer rank (rank 0) and every worker of every engine (``rank_offset`` onwards), so one broadcast feeds all engines.
+A bucket travels packed in one flat byte buffer (one broadcast per bucket, tensors at 64-byte aligned offsets that
+both sides compute from the bucket's ``names``/``dtype_names``/``shapes``). When the sender and every engine share
+a host, the buffer is a file in /dev/shm instead, which the engines map and read in place (``shm_path``).
+
+Loading is vLLM's layerwise reload (start -> ``load_weights`` per bucket -> finish), with r3rl's CPU MoE repack
+around it (``worker_extension.MoERepack``): without it the CPU experts' grouped-GEMM prepack would be skipped and the
+engine would serve wrong experts after a transfer.
+
+vLLM learns the name from r3rl's ``vllm.general_plugins`` entry point (``register``), which every vLLM process runs.
+This module runs inside the engine's worker, so it imports only torch, vLLM and r3rl's worker extension.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BACKEND = "r3rl_gloo"
+ALIGN = 64
+
+
+def register() -> None:
+    """vLLM general plugin: make ``--weight-transfer-config '{"backend": "r3rl_gloo"}'`` known (every process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
+
+
+# ------------------------------------------------------------------------------------------------ wire layout
+
+def packed_offsets(dtype_names: list[str], shapes: list[list[int]]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a bucket's buffer, and the buffer's size."""
+    offsets, size = [], 0
+    for dtype_name, shape in zip(dtype_names, shapes):
+        size = -(-size // ALIGN) * ALIGN
+        offsets.append(size)
+        n = 1
+        for d in shape:
+            n *= d
+        size += n * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+    return offsets, size
+
+
+def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """One CPU byte buffer holding ``tensors`` at ``packed_offsets`` (in ``out``'s memory when it is large enough:
+    a warm buffer copies at memcpy speed, a fresh one pays a page fault per 4 KiB)."""
+    offsets, size = packed_offsets([str(t.dtype).removeprefix("torch.") for t in tensors],
+                                   [list(t.shape) for t in tensors])
+    buf = out[:size] if out is not None and out.numel() >= size else torch.empty(size, dtype=torch.uint8)
+    for t, off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        buf[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+    return buf
+
+
+def write_packed(path, tensors: list[torch.Tensor], size: int) -> None:
+    """``pack`` into a file with plain writes (the kernel copies into page-cache pages it allocates in bulk, far
+    cheaper than faulting in a fresh shared mapping page by page)."""
+    offsets, _ = packed_offsets([str(t.dtype).removeprefix("torch.") for t in tensors],
+                                [list(t.shape) for t in tensors])
+    with open(path, "wb") as fh:
+        for t, off in zip(tensors, offsets):
+            fh.seek(off)
+            fh.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        fh.truncate(size)
+
+
+def unpack(buf: torch.Tensor, names: list[str], dtype_names: list[str], shapes: list[list[int]]
+           ) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``buf`` (no copy), one per tensor."""
+    offsets, _ = packed_offsets(dtype_names, shapes)
+    out = []
+    for name, dtype_name, shape, off in zip(names, dtype_names, shapes, offsets):
+        dtype = getattr(torch, dtype_name)
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        out.append((name, buf[off:off + nbytes].view(dtype).view(shape)))
+    return out
+
+
+def open_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float,
+               *, is_master: bool):
+    """A gloo group of its own (never the process's default group: vLLM's workers have theirs), reached through a
+    TCPStore that the sender hosts."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(master_address, master_port, world_size, is_master=is_master, timeout=timeout,
+                     wait_for_workers=False)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=master_address)
+                        if master_address in ("127.0.0.1", "localhost") else ProcessGroupGloo.create_default_device()]
+    return ProcessGroupGloo(PrefixStore(BACKEND, store), rank, world_size, options), store
+
+
+# ------------------------------------------------------------------------------------------------ engine side
+
+from vllm.distributed.weight_transfer.base import (  # noqa: E402  (present wherever this backend runs)
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int  # this engine's first worker's rank in the group (the sender is 0)
+    world_size: int  # 1 + every worker of every engine
+    timeout_s: float = 600.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    # the bucket's buffer as a shared-memory file the sender wrote (sender and engines on one host): read in place
+    # instead of broadcast, so the bytes are copied once by the sender and once into the model
+    shm_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
+            raise ValueError(f"update_info: {len(self.names)} names, {len(self.dtype_names)} dtype_names and "
+                             f"{len(self.shapes)} shapes must have the same length")
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self._store = None
+        self._repack = None
+        self.received_tensors = 0
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        rank = init_info.rank_offset + self.parallel_config.rank
+        self.group, self._store = open_group(init_info.master_address, init_info.master_port, rank,
+                                             init_info.world_size, init_info.timeout_s, is_master=False)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        from r3rl.rollout.worker_extension import MoERepack
+
+        self._repack = MoERepack(self.model)
+        self.received_tensors = 0
+        try:
+            initialize_layerwise_reload(self.model)
+        except BaseException:
+            self._repack.abort()
+            self._repack = None
+            raise
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class synchronizes the accelerator after receiving, which raises on a CPU-only host
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            if self._repack is not None:
+                self._repack.abort()
+            raise
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
+        if self._repack is None:
+            raise RuntimeError(f"{BACKEND}: update_weights before start_weight_update")
+        _, size = packed_offsets(update_info.dtype_names, update_info.shapes)
+        if update_info.shm_path is not None:
+            # private mapping: reading costs no copy; the sender unlinks the file after the update
+            buf = torch.from_file(update_info.shm_path, shared=False, size=size, dtype=torch.uint8)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+            self.group.broadcast(buf, 0).wait()
+        self.model.load_weights(unpack(buf, update_info.names, update_info.dtype_names, update_info.shapes))
+        self.received_tensors += len(update_info.names)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        repack, self._repack = self._repack, None
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException:
+            if repack is not None:
+                repack.abort()
+            raise
+        if repack is not None:
+            repack.finish()
+
+    def shutdown(self) -> None:
+        self.group = self._store = None

@@ -1,0 +1,289 @@
+"""The trainer's weights as HF-named tensors, streamed bucket by bucket: no rank ever holds the whole model.
+
+Every rank knows the whole model's plan (one small metadata exchange at construction): each Megatron parameter as
+full HF tensors, in one canonical order, the global rank that owns it (tensor-parallel rank 0 of the first
+data-parallel replica that holds it) and the bucket it falls in (``bucket_bytes`` of full tensors each). Streaming
+walks the plan: a parameter split over tensor-parallel ranks is all-gathered in that TP group only when its bucket
+comes up, and the full tensor is either kept by its owner (``stream(dst=None)``: every rank writes its own share, as
+the HF export does) or sent point to point to one rank (``stream(dst=0)``: the weight-transfer sender). A bucket is
+dropped as soon as the caller moves on, so a rank holds at most its own parameters plus one bucket.
+
+Every collective here follows the same global order on every rank, so the TP all-gathers and the owner->sender
+sends cannot cross. Conversion is ``r3rl.train.convert``'s mapping; this module only decides who gathers what, when.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from r3rl.train.convert import (
+    TOKENIZER_AND_CONFIG,
+    AttentionShape,
+    ParamRef,
+    ShardInfo,
+    full_to_hf,
+    layer_numbers,
+    parse_name,
+    partition_dim,
+    unshard,
+)
+
+# canonical order inside a layer (HF's own file order does not matter to loaders; a fixed one keeps ranks in step)
+_KIND_ORDER = {k: i for i, k in enumerate(
+    ("embed", "input_norm", "qkv", "q_norm", "k_norm", "proj", "pre_mlp_norm", "router", "fc1", "fc2",
+     "final_norm", "output"))}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One HF tensor as the engine receives it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix (what vLLM's update_info carries)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One Megatron parameter of the whole model: its full shape, owner rank and HF tensors."""
+
+    ref: ParamRef
+    owner: int
+    full_shape: tuple[int, ...]
+    hf: tuple[TensorMeta, ...]
+
+    @property
+    def order(self) -> tuple:
+        layer = -1 if self.ref.kind == "embed" else (1 << 30 if self.ref.layer is None else self.ref.layer)
+        return (layer, _KIND_ORDER[self.ref.kind], -1 if self.ref.expert is None else self.ref.expert)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.hf)
+
+
+@dataclass
+class StreamStats:
+    """What one ``stream`` call held: the largest bucket/working set in bytes on this rank, and totals."""
+
+    peak_bytes: int = 0
+    buckets: int = 0
+    tensors: int = 0
+    bytes_out: int = 0
+    _held: int = field(default=0, repr=False)
+
+    def hold(self, nbytes: int) -> None:
+        self._held += nbytes
+        self.peak_bytes = max(self.peak_bytes, self._held)
+
+    def release_all(self) -> None:
+        self._held = 0
+
+
+def _hf_meta(ref: ParamRef, full_shape: tuple[int, ...], dtype: torch.dtype, shape: AttentionShape
+             ) -> tuple[TensorMeta, ...]:
+    # the mapping run on a meta tensor: names and shapes without touching memory
+    pieces = full_to_hf(ref, torch.empty(full_shape, dtype=dtype, device="meta"), shape)
+    return tuple(TensorMeta(n, tuple(t.shape), str(dtype).removeprefix("torch.")) for n, t in pieces.items())
+
+
+class HFBucketStream:
+    """Bucketed HF export of a (possibly TP/EP/PP-sharded) bare GPTModel. Construction is collective."""
+
+    def __init__(self, model, shape: AttentionShape, bucket_bytes: int, info: ShardInfo | None = None):
+        from megatron.core import parallel_state as ps
+
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (rollout.weight_sync.bucket_mb)")
+        self.shape = shape
+        self.bucket_bytes = bucket_bytes
+        info = info or ShardInfo.current(model)
+        self.info = info
+        self.distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self.rank = torch.distributed.get_rank() if self.distributed else 0
+        self._ps = ps
+        dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        expert_first = ps.get_expert_data_parallel_rank() == 0
+        layers = layer_numbers(model)
+        offset = info.ep_rank * info.num_local_experts
+        # this rank's parameters by identity; the TP gather runs only in the first replica's TP groups
+        self._local: dict[ParamRef, tuple[torch.nn.Parameter, int | None, bool]] = {}
+        owned: list[PlanItem] = []
+        for name, param in model.named_parameters():
+            ref = parse_name(name, layers, offset)
+            expert = ref.kind in ("fc1", "fc2")
+            size, tp_rank = info.of(ref)
+            pdim = partition_dim(param)
+            first_replica = expert_first if expert else dense_first
+            self._local[ref] = (param, pdim, first_replica)
+            if first_replica and tp_rank == 0:
+                full = list(param.shape)
+                if pdim is not None and size > 1:
+                    full[pdim] *= size
+                owned.append(PlanItem(ref, self.rank, tuple(full), _hf_meta(ref, tuple(full), param.dtype, shape)))
+        parts = [owned]
+        if self.distributed:
+            parts = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(parts, owned)
+        items = sorted((i for p in parts for i in p), key=lambda i: i.order)
+        names = [t.name for i in items for t in i.hf]
+        if len(set(names)) != len(names):
+            raise RuntimeError("two ranks claim the same HF tensor; the parallel layout is inconsistent")
+        self.items = items
+        self.buckets: list[list[PlanItem]] = []
+        size = 0
+        for item in items:
+            if not self.buckets or (self.buckets[-1] and size + item.nbytes > bucket_bytes):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(item)
+            size += item.nbytes
+        self.stats = StreamStats()
+
+    # ------------------------------------------------------------------------------------------------ plan
+
+    def metadata(self) -> list[TensorMeta]:
+        """Every HF tensor of the whole model, in stream order (the same list on every rank)."""
+        return [t for item in self.items for t in item.hf]
+
+    def bucket_metadata(self) -> list[list[TensorMeta]]:
+        return [[t for item in b for t in item.hf] for b in self.buckets]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+    # ------------------------------------------------------------------------------------------------ stream
+
+    def _full(self, item: PlanItem) -> torch.Tensor | None:
+        """The full Megatron tensor on the owner (None elsewhere); TP ranks of the owner's replica join the gather."""
+        local = self._local.get(item.ref)
+        if local is None:
+            return None
+        param, pdim, first_replica = local
+        if not first_replica:
+            return None
+        size, _ = self.info.of(item.ref)
+        data = param.detach()
+        if pdim is not None and size > 1:
+            expert = item.ref.kind in ("fc1", "fc2")
+            group = self._ps.get_expert_tensor_parallel_group() if expert else \
+                self._ps.get_tensor_model_parallel_group()
+            pieces = [torch.empty_like(data) for _ in range(size)]
+            torch.distributed.all_gather(pieces, data.contiguous(), group=group)
+            self.stats.hold(sum(p.numel() * p.element_size() for p in pieces))
+            data = unshard(pieces, item.ref, pdim)
+        return data if item.owner == self.rank else None
+
+    def stream(self, dst: int | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield one list of ``(hf_name, full tensor)`` per bucket, on every rank (collective: iterate to the end).
+
+        ``dst=None``: each rank gets the tensors it owns. ``dst=r``: rank r gets every tensor of the bucket, the
+        others get empty lists. Tensors stay on the parameters' device and may be views of live parameters (read
+        them, never write them); a bucket is freed when the next is made.
+        """
+        self.stats = StreamStats()
+        for bucket in self.buckets:
+            out: list[tuple[str, torch.Tensor]] = []
+            for item in bucket:
+                full = self._full(item)
+                if dst is not None and item.owner != dst:
+                    if self.rank == item.owner:
+                        torch.distributed.send(full.contiguous(), dst=dst)
+                        full = None
+                    elif self.rank == dst:
+                        full = torch.empty(item.full_shape, dtype=getattr(torch, item.hf[0].dtype),
+                                           device=self._device())
+                        torch.distributed.recv(full, src=item.owner)
+                if full is None:
+                    continue
+                self.stats.hold(full.numel() * full.element_size())
+                out.extend(full_to_hf(item.ref, full, self.shape).items())
+            self.stats.buckets += 1
+            self.stats.tensors += len(out)
+            self.stats.bytes_out += sum(t.numel() * t.element_size() for _, t in out)
+            yield out
+            del out
+            self.stats.release_all()
+
+    def _device(self) -> torch.device:
+        return next(iter(self._local.values()))[0].device
+
+
+# ------------------------------------------------------------------------------------------------ HF folder
+
+INDEX = "model.safetensors.index.json"
+
+
+def shard_file(rank: int, bucket: int) -> str:
+    return f"model-rank{rank:05d}-bucket{bucket:05d}.safetensors"
+
+
+def write_hf(stream: HFBucketStream, out_dir: str | os.PathLike, source_dir: str | os.PathLike) -> Path:
+    """Write an HF checkpoint folder: every rank its own tensors (one safetensors file per non-empty bucket), global
+    rank 0 the index and the source's config/tokenizer files. The folder appears atomically. Collective."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    rank = stream.rank
+    tmp_name: list[str | None] = [None]
+    if rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}-partial"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        tmp_name[0] = str(tmp)
+    if stream.distributed:
+        torch.distributed.broadcast_object_list(tmp_name, src=0)
+    tmp = Path(tmp_name[0])
+    weight_map: dict[str, str] = {}
+    failure: str | None = None
+    for b, tensors in enumerate(stream.stream(dst=None)):
+        if not tensors or failure:
+            continue
+        file = shard_file(rank, b)
+        try:
+            save_file({n: t.detach().cpu().contiguous() for n, t in tensors}, str(tmp / file),
+                      metadata={"format": "pt"})
+        except OSError as err:  # keep iterating: the other ranks are in the same collectives
+            failure = f"rank {rank}: writing {tmp / file}: {err}"
+        weight_map.update({n: file for n, _ in tensors})
+    parts: list = [(weight_map, failure)]
+    if stream.distributed:
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, (weight_map, failure))
+    failures = [f for _, f in parts if f]
+    if failures:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError("; ".join(failures))
+    if rank == 0:
+        merged = {k: v for m, _ in parts for k, v in m.items()}
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": stream.total_bytes},
+                                             "weight_map": dict(sorted(merged.items()))}, indent=2))
+        src = Path(source_dir)
+        for name in TOKENIZER_AND_CONFIG:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    if stream.distributed:
+        torch.distributed.barrier()
+    return out

