@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from r3rl.rollout.errors import EngineError
+from r3rl.rollout.weights import post_dev_route
 
 
 class EngineSet:
@@ -45,16 +46,7 @@ class EngineSet:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def post_one(self, url: str, path: str, what: str, **kwargs: Any) -> dict[str, Any]:
-        try:
-            resp = self._client.post(f"{url}{path}", **kwargs)
-        except httpx.HTTPError as err:
-            raise EngineError(f"engine {url}: {what} failed: {type(err).__name__}: {err}", url=url) from err
-        if resp.status_code == 404:
-            raise EngineError(f"engine {url}: {path} not found; {what} needs VLLM_SERVER_DEV_MODE=1 on the server",
-                              url=url)
-        if resp.status_code != 200:
-            raise EngineError(f"engine {url}: {what} failed with HTTP {resp.status_code}: {resp.text[:2000]}",
-                              url=url)
+        resp = post_dev_route(self._client, url, path, what, **kwargs)
         try:
             return resp.json()
         except ValueError:

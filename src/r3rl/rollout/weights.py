@@ -28,7 +28,8 @@ class WeightUpdate:
     seconds: float
 
 
-def _post(client: httpx.Client, url: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+def post_dev_route(client: httpx.Client, url: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+    """POST to one of vLLM's dev routes; any failure is an EngineError naming the engine and what was being done."""
     try:
         resp = client.post(f"{url}{path}", **kwargs)
     except httpx.HTTPError as err:
@@ -51,21 +52,21 @@ def update_weights_from_hf(url: str, hf_dir: Path, version: int, *, timeout_s: f
     url = url.rstrip("/")
     start = time.perf_counter()
     with httpx.Client(timeout=timeout_s) as client:
-        _post(client, url, "/pause", "pause before the weight update", params={"mode": "wait", "clear_cache": True})
+        post_dev_route(client, url, "/pause", "pause before the weight update", params={"mode": "wait", "clear_cache": True})
         try:
-            resp = _post(client, url, "/collective_rpc", "loading the new weights",
+            resp = post_dev_route(client, url, "/collective_rpc", "loading the new weights",
                          json={"method": UPDATE_METHOD, "args": [str(hf_dir)], "timeout": timeout_s})
             workers = resp.json().get("results") or []
             if not workers or not all(isinstance(w, dict) and w.get("tensors", 0) > 0 for w in workers):
                 raise EngineError(f"engine {url}: weight update from {hf_dir} loaded nothing: {workers}", url=url)
-            ok = _post(client, url, "/reset_prefix_cache", "resetting the prefix cache").json()
+            ok = post_dev_route(client, url, "/reset_prefix_cache", "resetting the prefix cache").json()
             if not ok.get("success", False):
                 raise EngineError(f"engine {url}: prefix cache not reset after the weight update ({ok}); cached "
                                   "prefixes would serve KV and routes of the old weights", url=url)
-            _post(client, url, "/update_weight_version", "labelling the weight version",
+            post_dev_route(client, url, "/update_weight_version", "labelling the weight version",
                   json={"new_version": str(version)})
         finally:
-            _post(client, url, "/resume", "resume after the weight update")
+            post_dev_route(client, url, "/resume", "resume after the weight update")
     return WeightUpdate(url=url, version=version, workers=workers, seconds=time.perf_counter() - start)
 
 
@@ -73,7 +74,7 @@ def weight_checksums(url: str, *, timeout_s: float = 300.0) -> dict[str, str]:
     """sha256 per parameter as the engine holds it (``{"dp0:pp0:pcp0:tp0:<name>": digest}``)."""
     url = url.rstrip("/")
     with httpx.Client(timeout=timeout_s) as client:
-        resp = _post(client, url, "/weight_checker", "computing weight checksums", json={"action": "checksum"})
+        resp = post_dev_route(client, url, "/weight_checker", "computing weight checksums", json={"action": "checksum"})
     return dict(resp.json()["checksums"])
 
 
