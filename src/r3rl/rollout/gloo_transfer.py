@@ -18,6 +18,7 @@ This module runs inside the engine's worker, so it imports only torch, vLLM and 
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,15 @@ def unpack(buf: torch.Tensor, names: list[str], dtype_names: list[str], shapes: 
     return out
 
 
+def local_address_towards(address: str) -> str:
+    """This host's address on the route to ``address`` (``address`` itself when it is loopback or our own)."""
+    if address in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))  # UDP connect sends nothing: it only picks the route and the source address
+        return probe.getsockname()[0]
+
+
 def open_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float,
                *, is_master: bool):
     """A gloo group of its own (never the process's default group: vLLM's workers have theirs), reached through a
@@ -100,8 +110,9 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
                      wait_for_workers=False)
     options = ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [ProcessGroupGloo.create_device(hostname=master_address)
-                        if master_address in ("127.0.0.1", "localhost") else ProcessGroupGloo.create_default_device()]
+    # gloo's default device follows the machine's hostname, which on a multi-homed node (or a network namespace) can
+    # name an address the other side cannot reach: bind to the interface that routes to the sender instead
+    options._devices = [ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
     return ProcessGroupGloo(PrefixStore(BACKEND, store), rank, world_size, options), store
 
 
