@@ -167,7 +167,7 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
         argv.append("--enable-sleep-mode")
     if (backend := weight_sync_backend(cfg)) != "disk":
         # vLLM's weight-transfer engine (r3rl_gloo is r3rl's, registered by the vllm.general_plugins entry point)
-        argv += ["--weight-transfer-config", json.dumps({"backend": backend})]
+        argv += ["--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":"))]
     argv += list(eng.extra_args)
     return argv
 

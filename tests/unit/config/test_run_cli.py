@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 import subprocess
 import sys
 
@@ -46,6 +48,11 @@ def test_dry_run_disaggregated_4p4_r3():
     assert "engine 0: node 0 GPUs 4,5,6,7" in text
     assert "--tensor-parallel-size 4" in text and "--enable-expert-parallel" in text
     assert "--enable-return-routed-experts" in text
+    # the printed command pastes into a shell as it is (no YAML quoting, no folding)
+    [line] = [ln for ln in text.splitlines() if ln.strip().startswith("command: ")]
+    argv = shlex.split(line.split("command: ", 1)[1])
+    assert argv[:2] == ["vllm", "serve"] and json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {
+        "backend": "nccl"}
     assert "CUDA_VISIBLE_DEVICES: 4,5,6,7" in text
     assert "moe_enable_routing_replay: true" in text
     assert "r3:on" in text and "group: qwen3_30b-disaggregated_4p4" in text
