@@ -19,10 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "slurm"))
 
-from slurm_testbed import REPO, Testbed, TestbedError, pids_alive, processes_of_job  # noqa: E402
+from slurm_testbed import REPO, Launch, Testbed, TestbedError, pids_alive, processes_of_job  # noqa: E402
 from twohosts import HostsError, TwoHosts, ensure_iproute_installed, missing_requirement  # noqa: E402
 
-LAUNCHER = REPO / "slurm" / "ray.sub"
 
 
 def _processes_with(needle: bytes) -> dict[int, str]:
@@ -110,29 +109,10 @@ def slurm2(hosts, ray_tmp, tmp_path_factory):
 
 
 @dataclass
-class Launch2:
+class Launch2(Launch):
     """Submits slurm/ray.sub from host A, as a user on the cluster's login node would."""
 
-    slurm: Testbed
     hosts: TwoHosts
-    root: Path
-    ray_tmp: Path
-    env: dict[str, str]
-
-    def submit(self, *sbatch_args: str, overrides: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
-        return self.slurm.sbatch(f"--output={self.root}/slurm-%j.out", *sbatch_args, str(LAUNCHER), *overrides,
-                                 env={**self.env, **(env or {})}, cwd=REPO)
-
-    def log_dir(self, job: str) -> Path:
-        return self.root / f"{job}-logs"
-
-    def output(self, job: str) -> str:
-        path = self.root / f"slurm-{job}.out"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def launcher_log(self, job: str) -> str:
-        path = self.log_dir(job) / "launcher.log"
-        return path.read_text(errors="replace") if path.exists() else ""
 
     def assert_nothing_left(self, job: str, timeout: float = 60, dead: str | None = None) -> None:
         """No process of the job on either host (by SLURM_JOB_ID in the environment or its Ray folders in the

@@ -9,14 +9,12 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from slurm_testbed import REPO, Testbed, TestbedError, pids_alive, processes_of_job
+from slurm_testbed import REPO, Launch, Testbed, TestbedError, pids_alive, processes_of_job
 
-LAUNCHER = REPO / "slurm" / "ray.sub"
 PORT_NAMES = (
     "GCS_PORT", "CLIENT_SERVER_PORT", "DASHBOARD_PORT", "NODE_MANAGER_PORT", "OBJECT_MANAGER_PORT",
     "RUNTIME_ENV_AGENT_PORT", "DASHBOARD_AGENT_GRPC_PORT", "METRICS_EXPORT_PORT", "DASHBOARD_AGENT_LISTEN_PORT",
@@ -60,61 +58,6 @@ def slurm(tmp_path_factory):
     tb.stop()
     left = pids_alive(tb.pids())
     assert not left, f"testbed daemons still running after stop: {left}"
-
-
-@dataclass
-class Launch:
-    """Submits slurm/ray.sub like a user does (from the repository root) and collects what a job left behind."""
-
-    slurm: Testbed
-    root: Path
-    ray_tmp: Path
-    env: dict[str, str]
-
-    def submit(self, *sbatch_args: str, overrides: tuple[str, ...] = (), env: dict[str, str] | None = None,
-               script: Path = LAUNCHER) -> str:
-        return self.slurm.sbatch(
-            f"--output={self.root}/slurm-%j.out", *sbatch_args, str(script), *overrides,
-            env={**self.env, **(env or {})}, cwd=REPO,
-        )
-
-    def log_dir(self, job: str) -> Path:
-        return self.root / f"{job}-logs"
-
-    def output(self, job: str) -> str:
-        path = self.root / f"slurm-{job}.out"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def launcher_log(self, job: str) -> str:
-        path = self.log_dir(job) / "launcher.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def wait_for_file(self, path: Path, job: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            state = self.slurm.job(job).get("JobState")
-            if state not in (None, "PENDING", "RUNNING", "CONFIGURING"):
-                pytest.fail(f"job {job} ended ({state}) before {path} appeared:\n{self.output(job)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{path} did not appear within {timeout:.0f}s:\n{self.output(job)}")
-            time.sleep(0.5)
-
-    def assert_nothing_left(self, job: str, timeout: float = 30) -> None:
-        """No process of the job runs any more (found by PID: its recorded PIDs, SLURM_JOB_ID in the environment,
-        its Ray temp dir in the command line), and its Ray temp dirs are gone."""
-        pid_files = list((self.log_dir(job) / "pids").glob("*")) if self.log_dir(job).exists() else []
-        pids = [int(p.read_text().split()[0]) for p in pid_files if p.read_text().strip()]
-        marker = f"{self.ray_tmp}/r3rl-ray-{job}-"
-        deadline = time.monotonic() + timeout
-        while True:
-            left = {pid: "recorded by the launcher" for pid in pids_alive(pids)}
-            left.update(processes_of_job(job, marker))
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert not left, f"processes of job {job} still running: {left}"
-        dirs = list(self.ray_tmp.glob(f"r3rl-ray-{job}-*"))
-        assert not dirs, f"Ray temp dirs of job {job} left behind: {dirs}"
 
 
 @pytest.fixture(scope="session")
