@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,9 @@ class RouteSpec:
         return routes_dtype(self.num_experts)
 
 
+_HEADER_PARSE_LOCK = threading.Lock()
+
+
 def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
                      request_id: str | None = None) -> np.ndarray:
     """base64(``.npy``) -> ndarray, refusing object arrays before anything is unpickled; zero-copy over the bytes."""
@@ -77,13 +81,18 @@ def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
         raise fail("payload is not an .npy file", f"magic {_NPY_MAGIC!r}", repr(raw[:6]))
     head = io.BytesIO(raw[: _MAX_HEADER_BYTES + 16])
     try:
-        version = np.lib.format.read_magic(head)
-        if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(head, max_header_size=_MAX_HEADER_BYTES)
-        elif version in ((2, 0), (3, 0)):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(head, max_header_size=_MAX_HEADER_BYTES)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
+        # numpy parses the header with ast.literal_eval, which CPython 3.11 does not make safe across threads
+        # ("AST constructor recursion depth mismatch" under concurrent decodes in the client's worker threads)
+        with _HEADER_PARSE_LOCK:
+            version = np.lib.format.read_magic(head)
+            if version == (1, 0):
+                shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(
+                    head, max_header_size=_MAX_HEADER_BYTES)
+            elif version in ((2, 0), (3, 0)):
+                shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(
+                    head, max_header_size=_MAX_HEADER_BYTES)
+            else:
+                raise ValueError(f"unsupported .npy version {version}")
     except Exception as err:  # NumPy's header parser raises ValueError, SyntaxError or (Python 3.12)
         # tokenize.TokenError for the same kind of garbage: each of them is a malformed header
         raise fail("payload has a malformed .npy header", hint=f"{type(err).__name__}: {err}") from None
