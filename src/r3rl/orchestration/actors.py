@@ -24,9 +24,12 @@ class TrainerActor:
         self.sender = None
 
     def address(self, loopback: bool) -> tuple[str, int]:
-        """Rendezvous address for torch.distributed: loopback on a one-node local cluster, else this node's IP."""
+        """Rank 0: listen for torch.distributed's rendezvous now (loopback on a one-node local cluster, else this
+        node's IP) and say where."""
+        from r3rl.train import distributed
+
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return host, free_port(host)
+        return host, distributed.open_rendezvous(host, self.world_size)
 
     def devices(self) -> dict[str, Any]:
         return {"rank": self.rank, "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),

@@ -1,7 +1,9 @@
 """torch.distributed and Megatron's parallel state for one trainer rank.
 
 Ray actors and torchrun both describe a rank by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (LOCAL_RANK picks
-the GPU); a plain process gets world size 1 on a free loopback port. gloo on CPU, NCCL on GPU; gloo groups beside the
+the GPU); a plain process gets world size 1 with an in-process store. Under Ray, rank 0 listens before the other ranks
+learn its port (``open_rendezvous``): a port found free and bound seconds later is lost, now and then, to another
+process in between. gloo on CPU, NCCL on GPU; gloo groups beside the
 NCCL ones on GPU too, because Megatron's optimizer and its distributed-optimizer checkpoints ask for them. Several trainers in
 one process (tests build a second one to compare) share the process groups; the last one to leave tears them down.
 """
@@ -14,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from r3rl.net import free_port
 from r3rl.train import cpu_compat
 
 
@@ -40,6 +41,7 @@ class RankInfo:
 _USERS = 0
 _LAYOUT: Layout | None = None
 _OWNS_PROCESS_GROUP = False
+_STORE: torch.distributed.TCPStore | None = None  # rank 0's rendezvous, listening since open_rendezvous
 
 
 def _device() -> torch.device:
@@ -52,6 +54,15 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def open_rendezvous(host: str, world_size: int, timeout_minutes: int = 30) -> int:
+    """Rank 0: listen for the other ranks now, on a port the OS picks; ``init`` in this process joins through it."""
+    global _STORE
+    if _STORE is None:
+        _STORE = torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    return _STORE.port
+
+
 def init(layout: Layout, seed: int, timeout_minutes: int = 30) -> RankInfo:
     """Join (or start) the process group and Megatron's model-parallel groups; seed Megatron's RNG streams."""
     global _USERS, _LAYOUT, _OWNS_PROCESS_GROUP
@@ -62,14 +73,15 @@ def init(layout: Layout, seed: int, timeout_minutes: int = 30) -> RankInfo:
     if not torch.distributed.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        if world == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            if "MASTER_PORT" not in os.environ:
-                os.environ["MASTER_PORT"] = str(free_port())
+        store = None  # None: the env:// rendezvous at MASTER_ADDR:MASTER_PORT
+        if _STORE is not None and rank == 0:
+            store = _STORE
+        elif world == 1:
+            store = torch.distributed.HashStore()  # one rank meets nobody: no port to lose
         elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world} needs MASTER_ADDR and MASTER_PORT in the environment")
         torch.distributed.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+            backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world, store=store,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
         _OWNS_PROCESS_GROUP = True
@@ -116,7 +128,7 @@ def seed_all(seed: int) -> None:
 
 def release() -> None:
     """Leave the process groups; the last user destroys them (and the process group if this module created it)."""
-    global _USERS, _LAYOUT, _OWNS_PROCESS_GROUP
+    global _USERS, _LAYOUT, _OWNS_PROCESS_GROUP, _STORE
     from megatron.core import parallel_state as ps
 
     _USERS = max(_USERS - 1, 0)
@@ -128,3 +140,4 @@ def release() -> None:
     if _OWNS_PROCESS_GROUP and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         _OWNS_PROCESS_GROUP = False
+        _STORE = None

@@ -42,14 +42,14 @@ def start_recipe(run_dir: Path, *overrides: str) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 1.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the run exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(1.0)
+        time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
