@@ -37,10 +37,10 @@ class TrainerActor:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
 
     def setup(self, cfg: R3RLConfig, master_addr: str, master_port: int) -> None:
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from r3rl.train import distributed
         from r3rl.train.trainer import MegatronTrainer
 
+        os.environ.update(distributed.rendezvous_env(self.rank, self.world_size, master_addr, master_port))
         self.trainer = MegatronTrainer(cfg)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -1,9 +1,9 @@
 """torch.distributed and Megatron's parallel state for one trainer rank.
 
 Ray actors and torchrun both describe a rank by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (LOCAL_RANK picks
-the GPU); a plain process gets world size 1 with an in-process store. Under Ray, rank 0 listens before the other ranks
-learn its port (``open_rendezvous``): a port found free and bound seconds later is lost, now and then, to another
-process in between. gloo on CPU, NCCL on GPU; gloo groups beside the
+the GPU); a plain process gets world size 1 with an in-process store. Under Ray, rank 0's process listens before any rank
+learns the port (``open_rendezvous``), as torchrun's agent does: a port found free and bound seconds later is lost, now
+and then, to another process in between. gloo on CPU, NCCL on GPU; gloo groups beside the
 NCCL ones on GPU too, because Megatron's optimizer and its distributed-optimizer checkpoints ask for them. Several trainers in
 one process (tests build a second one to compare) share the process groups; the last one to leave tears them down.
 """
@@ -55,12 +55,19 @@ def _device() -> torch.device:
 
 
 def open_rendezvous(host: str, world_size: int, timeout_minutes: int = 30) -> int:
-    """Rank 0: listen for the other ranks now, on a port the OS picks; ``init`` in this process joins through it."""
+    """Rank 0's process: listen for every rank now, on a port the OS picks, as torchrun's agent does; the ranks then
+    join with ``rendezvous_env`` (as clients, rank 0 included, so all of them see the store alike)."""
     global _STORE
     if _STORE is None:
         _STORE = torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
                                             timeout=datetime.timedelta(minutes=timeout_minutes))
     return _STORE.port
+
+
+def rendezvous_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The environment a rank joins with: torch's env:// rendezvous against a store that is already listening."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def init(layout: Layout, seed: int, timeout_minutes: int = 30) -> RankInfo:
@@ -74,9 +81,7 @@ def init(layout: Layout, seed: int, timeout_minutes: int = 30) -> RankInfo:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         store = None  # None: the env:// rendezvous at MASTER_ADDR:MASTER_PORT
-        if _STORE is not None and rank == 0:
-            store = _STORE
-        elif world == 1:
+        if world == 1:
             store = torch.distributed.HashStore()  # one rank meets nobody: no port to lose
         elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world} needs MASTER_ADDR and MASTER_PORT in the environment")

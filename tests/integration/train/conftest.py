@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import warnings
 from pathlib import Path
@@ -55,3 +56,22 @@ def new_trainer(tiny_model_dir):
     yield make
     for trainer in made:
         trainer.shutdown()
+
+
+@pytest.fixture
+def torchrun_rendezvous():
+    """rendezvous(world_size) -> the environment for ranks started as processes, as torchrun's agent gives it: the
+    store listens on a port the OS picked before any rank starts, and every rank connects to it as a client (a port
+    found free and bound by rank 0 seconds later is lost, now and then, to another process in between)."""
+    import torch.distributed
+
+    stores = []
+
+    def rendezvous(world_size: int) -> dict[str, str]:
+        store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                           timeout=datetime.timedelta(minutes=10))
+        stores.append(store)
+        return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+    yield rendezvous
+    stores.clear()  # the stores stop listening once the ranks are done with them

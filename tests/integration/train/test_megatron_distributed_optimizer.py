@@ -52,14 +52,15 @@ def batch():
     return samples, adv
 
 
-def test_expert_parallel_2_distributed_optimizer_checkpoint(batch, tmp_path, tiny_model_dir):
+def test_expert_parallel_2_distributed_optimizer_checkpoint(batch, tmp_path, tiny_model_dir, torchrun_rendezvous):
     from pathlib import Path
 
     samples, adv = batch
     src, dst = tmp_path / "in.pkl", tmp_path / "out.pkl"
     src.write_bytes(pickle.dumps((samples, adv)))
     worker = Path(__file__).with_name(WORKER_NAME)
-    procs = launch(2, [str(src), str(dst), str(tmp_path / "ckpt"), *DISTOPT, *EP2], tmp_path, worker=worker)
+    procs = launch(2, [str(src), str(dst), str(tmp_path / "ckpt"), *DISTOPT, *EP2], tmp_path, torchrun_rendezvous(2),
+                   worker=worker)
     try:
         # the same steps in one process with the CPU profile's own optimizer, while the two ranks run
         single = run_ranks_inline(samples, adv, str(tmp_path / "ckpt1"), ["trainer.micro_batch_size=2"])

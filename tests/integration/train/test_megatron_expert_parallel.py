@@ -16,19 +16,18 @@ from safetensors.torch import load_file
 
 from megatron_ep_worker import run
 from megatron_helpers import build_samples, random_routes, with_routes
-from r3rl.net import free_port
 from r3rl.train.grpo import group_advantages
 
 WORKER = Path(__file__).with_name("megatron_ep_worker.py")
 EP2 = ["parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2", "parallelism.trainer.expert_parallel=2"]
 
 
-def launch(world_size: int, args: list[str], tmp: Path, worker: Path = WORKER) -> list[subprocess.Popen]:
-    port = free_port()
+def launch(world_size: int, args: list[str], tmp: Path, rendezvous: dict[str, str],
+           worker: Path = WORKER) -> list[subprocess.Popen]:
     procs = []
     for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "OMP_NUM_THREADS": "1"}
         log = open(tmp / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen([sys.executable, str(worker), *args], env=env, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
@@ -42,14 +41,14 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir):
+def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir, torchrun_rendezvous):
     samples = build_samples(8, 31)
     with_routes(samples, random_routes(samples, 4, 2, 8, seed=31))
     adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
     src, dst = tmp_path / "in.pkl", tmp_path / "out.pkl"
     src.write_bytes(pickle.dumps((samples, adv)))
     common = ["trainer.micro_batch_size=2"]
-    procs = launch(2, [str(src), str(dst), *common, *EP2], tmp_path)
+    procs = launch(2, [str(src), str(dst), *common, *EP2], tmp_path, torchrun_rendezvous(2))
     try:
         # the single-process reference runs here while the two ranks run in parallel
         single = run(samples, adv, common)
@@ -78,10 +77,12 @@ def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir):
     assert abs(ep["metrics"]["grad_norm"] - single["metrics"]["grad_norm"]) <= 1e-5 * single["metrics"]["grad_norm"]
 
 
-def test_expert_parallel_2_streams_buckets_and_no_rank_gathers_the_model(tmp_path, tiny_model_dir):
+def test_expert_parallel_2_streams_buckets_and_no_rank_gathers_the_model(tmp_path, tiny_model_dir,
+                                                                         torchrun_rendezvous):
     """Export and sync on EP 2: every rank writes its own experts, the sender gets one bucket at a time, and the
     bytes each rank holds at peak stay within one bucket (plus the largest tensor), far below the model."""
-    procs = launch(2, ["export", str(tmp_path), "rollout.weight_sync.bucket_mb=0.25", *EP2], tmp_path)
+    procs = launch(2, ["export", str(tmp_path), "rollout.weight_sync.bucket_mb=0.25", *EP2], tmp_path,
+                   torchrun_rendezvous(2))
     try:
         for p in procs:
             p.wait(timeout=300)

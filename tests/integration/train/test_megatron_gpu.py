@@ -27,17 +27,13 @@ def gpu_overrides(world: int, *extra: str) -> list[str]:
             "trainer.params_dtype=float32", "trainer.micro_batch_size=2", *extra]
 
 
-def run_ranks(world: int, overrides: list[str], samples, adv, tmp: Path) -> dict:
-    from r3rl.net import free_port
-
+def run_ranks(world: int, overrides: list[str], samples, adv, tmp: Path, rendezvous: dict[str, str]) -> dict:
     src, dst = tmp / "in.pkl", tmp / "out.pkl"
     src.write_bytes(pickle.dumps((samples, adv)))
-    port = free_port()
     procs = []
     try:
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env = {**os.environ, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
             procs.append(subprocess.Popen([sys.executable, str(WORKER), str(src), str(dst), *overrides], env=env,
                                           start_new_session=True))
         for p in procs:
@@ -60,7 +56,8 @@ def batch():
 
 @pytest.fixture(scope="module")
 def one_gpu(batch, tmp_path_factory, tiny_model_dir):
-    return run_ranks(1, gpu_overrides(1), *batch, tmp_path_factory.mktemp("one"))
+    # a lone rank needs no rendezvous (an in-process store)
+    return run_ranks(1, gpu_overrides(1), *batch, tmp_path_factory.mktemp("one"), rendezvous={})
 
 
 def test_single_gpu_uses_megatron_unpatched(one_gpu, batch):
@@ -81,10 +78,10 @@ def needs(n: int):
     ["parallelism.trainer.pipeline_parallel=2"],
     ["parallelism.trainer.expert_parallel=2", "trainer.use_distributed_optimizer=true"],
 ], ids=["cp2", "tp2-sp", "pp2", "ep2-distopt"])
-def test_two_gpu_layouts_match_one_gpu(layout, batch, one_gpu, tmp_path):
+def test_two_gpu_layouts_match_one_gpu(layout, batch, one_gpu, tmp_path, torchrun_rendezvous):
     """Routes packed through CP zigzag / SP shards / PP-local layers reach the right tokens: the routing maps equal
     the replay targets and log-probs, loss and the updated policy match one GPU."""
-    got = run_ranks(2, gpu_overrides(2, *layout), *batch, tmp_path)
+    got = run_ranks(2, gpu_overrides(2, *layout), *batch, tmp_path, torchrun_rendezvous(2))
     assert got["match"] is True
     for key in ("replayed", "live", "after"):
         assert max(np.abs(a - b).max() for a, b in zip(got[key], one_gpu[key])) < 1e-4, key

