@@ -20,8 +20,9 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,30 +137,39 @@ class GlooSender:
     """Rank 0 of the ``r3rl_gloo`` group; every worker of every engine joins it at ``init``."""
 
     def __init__(self, engines: EngineSet, master_address: str, master_port: int, timeout_s: float = 600.0,
-                 *, shared_memory: bool | None = None):
-        from r3rl.rollout.gloo_transfer import open_group
+                 *, shared_memory: bool | None = None, join_timeout_s: float = 60.0):
+        from r3rl.rollout.gloo_transfer import open_group, open_store
 
         self.engines = engines
+        self.timeout_s = timeout_s
         sizes = engines.world_sizes()
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         world = 1 + sum(sizes)
+        # the sender's end first: an address that is not ours or a port taken fails here, before any engine waits
+        try:
+            self._store = open_store(master_address, master_port, world, join_timeout_s, is_master=True)
+        except Exception as err:
+            raise RuntimeError(f"weight transfer: the sender cannot listen on {master_address}:{master_port} "
+                               f"({type(err).__name__}: {err}); no engine was contacted") from err
         payloads = [{"json": {"init_info": {"master_address": master_address, "master_port": master_port,
-                                            "rank_offset": off, "world_size": world, "timeout_s": timeout_s}}}
+                                            "rank_offset": off, "world_size": world, "timeout_s": timeout_s,
+                                            "join_timeout_s": join_timeout_s}}}
                     for off in offsets]
         # the workers block in the rendezvous inside /init_weight_transfer_engine until the sender joins
         futures = engines.submit("/init_weight_transfer_engine", "joining the weight-transfer group", payloads)
-        try:
-            self.group, self._store = open_group(master_address, master_port, 0, world, timeout_s, is_master=True)
-        except Exception as err:
-            self._name_failure(futures, err, "opening the weight-transfer group")
-            raise
-        engines.wait(futures)
+        self.group = join(futures, engines.urls, join_timeout_s,
+                          lambda: open_group(self._store, master_address, 0, world, join_timeout_s))
         self.world_size = world
         self._buf = None  # the warm pack buffer, as large as the largest bucket so far
         # on loopback every engine can map the sender's files: one copy in, one copy out, no sockets
         self.shared_memory = master_address in ("127.0.0.1", "localhost") if shared_memory is None \
             else shared_memory
-        self._shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self._shm_dir = shm_dir
+        # two files, rewritten in place sync after sync (their pages stay allocated: a fresh file pays the kernel's
+        # page allocation for every 4 KiB, which on a busy host costs more than the copy itself)
+        self._shm_files = [shm_dir / f"r3rl-weights-{os.getpid()}-{uuid.uuid4().hex}-{i}" for i in range(2)]
+        self._shm_cleanup = weakref.finalize(self, _unlink, list(self._shm_files))
 
     def _name_failure(self, futures, err: BaseException, what: str) -> None:
         """Turn a transport error into an ``EngineError`` naming the engine at fault (an HTTP failure, or else the
@@ -184,14 +194,13 @@ class GlooSender:
         flight. The bucket iterator is always run to its end (the trainer's other ranks take part in producing it).
         """
 
-        from r3rl.rollout.gloo_transfer import pack, packed_offsets, write_packed
+        from r3rl.rollout.gloo_transfer import broadcast, pack, packed_offsets, write_packed
 
         start = time.perf_counter()
         it = iter(buckets)
         count = tensors = nbytes = 0
         pack_s = wire_s = 0.0
         pending: list = []
-        files: list[Path] = []
         try:
             self.engines.start_weight_update()
             for bucket in it:
@@ -204,10 +213,11 @@ class GlooSender:
                 t0 = time.perf_counter()
                 _, size = packed_offsets(info["dtype_names"], info["shapes"])
                 # a small /dev/shm (containers default to 64 MiB) would fail the write: broadcast those buckets
-                shm = self.shared_memory and shutil.disk_usage(self._shm_dir).free > 2 * size
+                path = self._shm_files[count % 2]
+                held = path.stat().st_size if path.exists() else 0
+                shm = self.shared_memory and shutil.disk_usage(self._shm_dir).free + held > 2 * size
                 if shm:
-                    path = self._shm_dir / f"r3rl-weights-{os.getpid()}-{uuid.uuid4().hex}"
-                    files.append(path)
+                    # the file's previous bucket was answered (at most two in flight), so no engine reads it now
                     write_packed(path, ts, size)
                     buf = None
                     info["shm_path"] = str(path)
@@ -221,7 +231,7 @@ class GlooSender:
                 pending.append(futures)
                 if not shm:
                     try:
-                        self.group.broadcast(buf, 0).wait()
+                        broadcast(self.group, buf, self.timeout_s)
                     except Exception as err:
                         self._name_failure([f for fs in pending for f in fs], err, "the weight transfer")
                         raise
@@ -229,9 +239,6 @@ class GlooSender:
                 # at most two buckets in flight: the engines load one while the next is produced and packed
                 while len(pending) > 1:
                     self.engines.wait(pending.pop(0))
-                    for path in files[:-1] if shm else files:  # mapped (privately) by the engines: names can go
-                        path.unlink(missing_ok=True)
-                    files = files[-1:] if shm else []
                 count += 1
                 tensors += len(names)
                 nbytes += size
@@ -244,10 +251,36 @@ class GlooSender:
             for _ in it:  # keep the other trainer ranks' sends matched, so the trainer stays usable
                 pass
             raise
-        finally:
-            for path in files:  # engines that mapped a file keep its pages until they drop the mapping
-                path.unlink(missing_ok=True)
         return SendStats(version, count, tensors, nbytes, time.perf_counter() - start, pack_s, wire_s, load_tail)
 
     def close(self) -> None:
         self.group = self._store = self._buf = None
+        self._shm_cleanup()
+
+
+def join(futures: list[Future], urls: Sequence[str], join_timeout_s: float, open_sender_end: Callable[[], Any]):
+    """Rendezvous of the sender with every engine worker: ``open_sender_end`` (which blocks until all have joined)
+    runs while the engines' /init_weight_transfer_engine requests are watched, so an engine that refuses (not started
+    with ``--weight-transfer-config``, a bad init) or dies fails the join at once, naming it, instead of after the
+    join timeout. Returns what ``open_sender_end`` returns."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    mine = pool.submit(open_sender_end)
+    pool.shutdown(wait=False)  # a sender end still waiting for peers gives up by itself after join_timeout_s
+    pending = set(futures) | {mine}
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+        for f, url in zip(futures, urls):
+            if f in done and f.exception() is not None:
+                raise EngineError(f"engine {url} did not join the weight-transfer group: {f.exception()}",
+                                  url=url) from f.exception()
+        if mine in done and mine.exception() is not None:
+            late = [url for f, url in zip(futures, urls) if not f.done()] or list(urls)
+            raise EngineError(f"engine {', '.join(late)} did not join the weight-transfer group within "
+                              f"{join_timeout_s:.0f} s ({type(mine.exception()).__name__}: {mine.exception()})",
+                              url=late[0]) from mine.exception()
+    return mine.result()
+
+
+def _unlink(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)

@@ -6,15 +6,17 @@ no stale prefix-cache hit."""
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from rollout_helpers import HFReference, perturbed_checkpoint
+from rollout_helpers import HFReference, engine_cfg, perturbed_checkpoint
 from r3rl.config.schema import SamplingConfig
 from r3rl.net import free_port
+from r3rl.rollout.errors import EngineError
 from r3rl.rollout.weight_transfer import EngineSet, GlooSender
 from r3rl.rollout.weights import weight_checksums, weight_version
 
@@ -96,6 +98,38 @@ def test_transfer_serves_new_weights_and_no_stale_prefix(r3_cfg, r3_engine, r3_c
     finally:
         sender.close()
         engines.close()
+
+
+def test_join_fails_at_once_naming_the_engine_or_the_sender_address(tiny_model_dir, tmp_path):
+    """A real engine that is alive but was started without --weight-transfer-config (as an engine attached by URL
+    may be) refuses /init_weight_transfer_engine: the sender stops waiting for it at once and names it, instead of
+    sitting out the join timeout (10 minutes here, so a regression would also fail on the message). A sender that
+    cannot listen (a real socket holds its port) fails before any engine is asked to wait."""
+    from r3rl.plan import build_plan
+    from r3rl.rollout.engine import VLLMEngine
+
+    cfg = engine_cfg("rollout.weight_sync.backend=disk")
+    launch = build_plan(cfg).engines[0]
+    assert "--weight-transfer-config" not in launch.argv
+    engine = VLLMEngine.launch(launch, tmp_path, cfg.rollout.engine.startup_timeout_s)
+    engines = EngineSet([engine.url], timeout_s=600)
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with pytest.raises(RuntimeError, match=f"sender cannot listen on 127.0.0.1:{port}.*no engine was contacted"):
+                GlooSender(engines, "127.0.0.1", port, timeout_s=600, join_timeout_s=600)
+        with pytest.raises(EngineError) as info:
+            GlooSender(engines, "127.0.0.1", free_port(), timeout_s=600, join_timeout_s=600)
+        assert info.value.url == engine.url
+        text = str(info.value)
+        assert f"engine {engine.url} did not join the weight-transfer group" in text
+        assert "Weight transfer not configured" in text and "within" not in text, text
+        assert engine.is_alive()
+    finally:
+        engines.close()
+        engine.shutdown()
 
 
 def r3_engine_arg(cfg, flag: str) -> str:
