@@ -17,7 +17,8 @@ from rollout_helpers import HFReference, engine_cfg, perturbed_checkpoint
 from r3rl.config.schema import SamplingConfig
 from r3rl.net import free_port
 from r3rl.rollout.errors import EngineError
-from r3rl.rollout.weight_transfer import EngineSet, GlooSender
+from r3rl.rollout.weight_transfer import EngineSet, TransferSender
+from r3rl.rollout.wires import GlooWire
 from r3rl.rollout.weights import weight_checksums, weight_version
 
 pytestmark = pytest.mark.integration
@@ -44,7 +45,7 @@ def prefix_cache_hits(url: str) -> float:
                if line.startswith("vllm:prefix_cache_hits_total"))
 
 
-def sync(engines: EngineSet, sender: GlooSender, folder, version: int):
+def sync(engines: EngineSet, sender: TransferSender, folder, version: int):
     engines.pause()
     stats = sender.send(buckets_of(folder, 256 * 1024), version)
     engines.reset_prefix_cache()
@@ -67,7 +68,7 @@ def test_transfer_serves_new_weights_and_no_stale_prefix(r3_cfg, r3_engine, r3_c
     before = weight_checksums(url)
 
     engines = EngineSet([url], timeout_s=300)
-    sender = GlooSender(engines, "127.0.0.1", free_port(), timeout_s=300)
+    sender = TransferSender(engines, GlooWire("127.0.0.1", free_port(), 300, 60))
     new_dir = perturbed_checkpoint(tiny_model_dir, tmp_path / "step1")
     try:
         stats = sync(engines, sender, new_dir, version=1)
@@ -119,13 +120,13 @@ def test_join_fails_at_once_naming_the_engine_or_the_sender_address(tiny_model_d
             taken.listen()
             port = taken.getsockname()[1]
             with pytest.raises(RuntimeError, match=f"sender cannot listen on 127.0.0.1:{port}.*no engine was contacted"):
-                GlooSender(engines, "127.0.0.1", port, timeout_s=600, join_timeout_s=600)
+                TransferSender(engines, GlooWire("127.0.0.1", port, 600, 600))
         with pytest.raises(EngineError) as info:
-            GlooSender(engines, "127.0.0.1", free_port(), timeout_s=600, join_timeout_s=600)
+            TransferSender(engines, GlooWire("127.0.0.1", free_port(), 600, 600))
         assert info.value.url == engine.url
         text = str(info.value)
         assert f"engine {engine.url} did not join the weight-transfer group" in text
-        assert "Weight transfer not configured" in text and "within" not in text, text
+        assert "Weight transfer not configured" in text and "in time" not in text, text
         assert engine.is_alive()
     finally:
         engines.close()
