@@ -117,7 +117,8 @@ def main() -> None:
     from r3rl.net import free_port
     from r3rl.plan import build_plan
     from r3rl.rollout.engine import VLLMEngine
-    from r3rl.rollout.weight_transfer import EngineSet, GlooSender
+    from r3rl.rollout.weight_transfer import EngineSet, TransferSender
+    from r3rl.rollout.wires import GlooWire
     from r3rl.rollout.weights import update_weights_from_hf, weight_checksums
 
     s = shape_for(args.gb)
@@ -148,7 +149,7 @@ def main() -> None:
         engine = VLLMEngine.launch(launch, work / "logs", cfg.rollout.engine.startup_timeout_s, check=False)
         print(f"engine up in {time.perf_counter() - t:.0f} s ({engine.url})", flush=True)
         engines = EngineSet([engine.url], timeout_s=1800)
-        sender = GlooSender(engines, "127.0.0.1", free_port(), timeout_s=1800)
+        sender = TransferSender(engines, GlooWire("127.0.0.1", free_port(), 1800, 60))
 
         def transfer(version: int) -> float:
             t = time.perf_counter()

@@ -230,14 +230,10 @@ class GRPORecipe:
         self.engine_set = EngineSet(self.engines.urls, self.cfg.rollout.engine.request_timeout_s)
         if self.weight_sync == "disk":
             return
-        if self.weight_sync != "r3rl_gloo":
-            # the engines were started for vLLM's nccl/ipc engine; r3rl's sender for those is not written yet
-            console.print(f"[yellow]rollout.weight_sync.backend={self.weight_sync}: r3rl sends r3rl_gloo only so "
-                          "far; syncing through disk[/]")
-            self.weight_sync = "disk"
-            return
-        self.trainers.open_weight_transfer(self.engines.urls, loopback=self.cluster.started_here,
-                                           timeout_s=self.cfg.rollout.engine.request_timeout_s)
+        self.trainers.open_weight_transfer(self.engines.urls, backend=self.weight_sync,
+                                           loopback=self.cluster.started_here,
+                                           timeout_s=self.cfg.rollout.engine.request_timeout_s,
+                                           bucket_bytes=int(self.cfg.rollout.weight_sync.bucket_mb * (1 << 20)))
 
     def sync_weights(self, version: int) -> None:
         """pause (colocated: wake the sleeping engines' weights only) -> start -> one broadcast per bucket into every

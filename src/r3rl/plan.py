@@ -186,6 +186,10 @@ def engine_env(cfg: R3RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
         env.update(cpu_engine_env())
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    if weight_sync_backend(cfg) == "ipc":
+        # vLLM's IPC engine takes the trainer's CUDA IPC handles pickled in the JSON of /update_weights, and
+        # unpickles them only when allowed (the dev routes that accept them load weights: trusted already)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env.update(cfg.rollout.engine.extra_env)
     return env
 

@@ -21,7 +21,7 @@ class TrainerActor:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size, self.trainer = rank, world_size, None
-        self.sender = None
+        self.sender = self.wire = None
 
     def address(self, loopback: bool) -> tuple[str, int]:
         """Rank 0: listen for torch.distributed's rendezvous now (loopback on a one-node local cluster, else this
@@ -47,27 +47,33 @@ class TrainerActor:
         return getattr(self.trainer, method)(*args, **kwargs)
 
     # weight transfer: the trainer produces HF buckets, rank 0 sends them over vLLM's protocol (r3rl.rollout)
-    def open_weight_transfer(self, urls: list[str], loopback: bool, timeout_s: float) -> None:
-        if self.rank != 0:
-            return
-        from r3rl.rollout.weight_transfer import EngineSet, GlooSender
+    def open_weight_transfer(self, urls: list[str], backend: str, loopback: bool, timeout_s: float,
+                             bucket_bytes: int) -> None:
+        from r3rl.rollout.weight_transfer import EngineSet, TransferSender
+        from r3rl.rollout.wires import make_wire
 
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        self.sender = GlooSender(EngineSet(urls, timeout_s), host, free_port(host), timeout_s)
+        self.wire = make_wire(backend, master_address=host, master_port=free_port(host) if self.rank == 0 else 0,
+                              bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        if self.rank == 0:
+            self.sender = TransferSender(EngineSet(urls, timeout_s), self.wire)
 
     def send_weights(self, version: int) -> dict[str, Any]:
+        from r3rl.rollout.wires import participate
+
         buckets = self.trainer.weight_stream().stream(dst=0)
-        if self.rank != 0:
-            for _ in buckets:  # the other ranks gather their shards towards rank 0, bucket by bucket
-                pass
+        if self.rank != 0:  # the other ranks gather their shards towards rank 0, bucket by bucket (IPC: and more)
+            participate(self.wire, buckets)
             return {}
         return dataclasses.asdict(self.sender.send(buckets, version))
 
     def shutdown(self) -> None:
         if self.sender is not None:
             self.sender.engines.close()
-            self.sender.close()
             self.sender = None
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None

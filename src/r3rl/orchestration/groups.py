@@ -81,8 +81,10 @@ class TrainerGroup:
         """Run ``method`` on every rank (collectives need all of them) and return rank 0's answer."""
         return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])[0]
 
-    def open_weight_transfer(self, urls: list[str], *, loopback: bool, timeout_s: float) -> None:
-        ray.get([a.open_weight_transfer.remote(urls, loopback, timeout_s) for a in self.actors])
+    def open_weight_transfer(self, urls: list[str], *, backend: str, loopback: bool, timeout_s: float,
+                             bucket_bytes: int) -> None:
+        ray.get([a.open_weight_transfer.remote(urls, backend, loopback, timeout_s, bucket_bytes)
+                 for a in self.actors])
 
     def send_weights(self, version: int) -> dict[str, Any]:
         """One transfer to every engine (rank 0 sends, the others feed it their shards); rank 0's statistics."""

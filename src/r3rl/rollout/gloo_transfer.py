@@ -18,6 +18,7 @@ This module runs inside the engine's worker, so it imports only torch, vLLM and 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -65,14 +66,17 @@ def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.
 
 def write_packed(path, tensors: list[torch.Tensor], size: int) -> None:
     """``pack`` into a file with plain writes (the kernel copies into page-cache pages it allocates in bulk, far
-    cheaper than faulting in a fresh shared mapping page by page)."""
+    cheaper than faulting in a fresh shared mapping page by page). An existing file is overwritten in place and never
+    shrunk: its pages stay allocated, so a warm file costs a memcpy, not a page allocation per 4 KiB (readers map the
+    first ``size`` bytes)."""
     offsets, _ = packed_offsets([str(t.dtype).removeprefix("torch.") for t in tensors],
                                 [list(t.shape) for t in tensors])
-    with open(path, "wb") as fh:
+    with open(path, "r+b" if os.path.exists(path) else "wb") as fh:
         for t, off in zip(tensors, offsets):
             fh.seek(off)
             fh.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        fh.truncate(size)
+        if os.fstat(fh.fileno()).st_size < size:
+            fh.truncate(size)
 
 
 def unpack(buf: torch.Tensor, names: list[str], dtype_names: list[str], shapes: list[list[int]]
@@ -99,21 +103,37 @@ def local_address_towards(address: str) -> str:
         return probe.getsockname()[0]
 
 
-def open_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float,
-               *, is_master: bool):
-    """A gloo group of its own (never the process's default group: vLLM's workers have theirs), reached through a
-    TCPStore that the sender hosts."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+def open_store(master_address: str, master_port: int, world_size: int, join_timeout_s: float, *, is_master: bool):
+    """The TCPStore the sender hosts (``is_master``) and every engine worker reaches: only the rendezvous uses it,
+    so its timeout is the join timeout."""
+    from torch.distributed import TCPStore
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(master_address, master_port, world_size, is_master=is_master, timeout=timeout,
-                     wait_for_workers=False)
+    return TCPStore(master_address, master_port, world_size, is_master=is_master,
+                    timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
+
+
+def open_group(store, master_address: str, rank: int, world_size: int, join_timeout_s: float):
+    """A gloo group of its own (never the process's default group: vLLM's workers have theirs). Its own timeout is
+    the join timeout, so a peer that never joins fails the rendezvous in seconds; the broadcasts carry theirs
+    (``broadcast``)."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo
+
     options = ProcessGroupGloo._Options()
-    options._timeout = timeout
+    options._timeout = datetime.timedelta(seconds=join_timeout_s)
     # gloo's default device follows the machine's hostname, which on a multi-homed node (or a network namespace) can
     # name an address the other side cannot reach: bind to the interface that routes to the sender instead
     options._devices = [ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
-    return ProcessGroupGloo(PrefixStore(BACKEND, store), rank, world_size, options), store
+    return ProcessGroupGloo(PrefixStore(BACKEND, store), rank, world_size, options)
+
+
+def broadcast(group, buf: torch.Tensor, timeout_s: float) -> None:
+    """One bucket from the sender (rank 0) to every engine worker, waiting up to ``timeout_s``."""
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    group.broadcast([buf], opts).wait()
 
 
 # ------------------------------------------------------------------------------------------------ engine side
@@ -131,7 +151,8 @@ class GlooInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int  # this engine's first worker's rank in the group (the sender is 0)
     world_size: int  # 1 + every worker of every engine
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # one bucket's broadcast
+    join_timeout_s: float = 60.0  # the rendezvous: every worker and the sender have joined, or the init fails
 
 
 @dataclass
@@ -140,13 +161,30 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     # the bucket's buffer as a shared-memory file the sender wrote (sender and engines on one host): read in place
-    # instead of broadcast, so the bytes are copied once by the sender and once into the model
+    # instead of broadcast, so the bytes are copied once by the sender and once into the model. The sender reuses
+    # the file for a later bucket once this update has answered (``_detach_buffered``)
     shm_path: str | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
             raise ValueError(f"update_info: {len(self.names)} names, {len(self.dtype_names)} dtype_names and "
                              f"{len(self.shapes)} shapes must have the same length")
+
+
+def _detach_buffered(buf: torch.Tensor) -> None:
+    """Copy out what vLLM's layerwise reload still holds of ``buf`` (the tensors of a layer that continues in the
+    next bucket: the reload loads a layer only once all of it has arrived). The sender rewrites its shared-memory
+    files in place once this bucket's /update_weights has answered, and a private mapping sees the file's new bytes
+    wherever it has not copied a page yet; so after this call nothing may still read the mapping. At most one layer
+    per bucket is copied."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    ptr = buf.untyped_storage().data_ptr()
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
+                    bound.arguments[key] = value.clone()
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -158,13 +196,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self._store = None
+        self.timeout_s = 600.0
         self._repack = None
         self.received_tensors = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         rank = init_info.rank_offset + self.parallel_config.rank
-        self.group, self._store = open_group(init_info.master_address, init_info.master_port, rank,
-                                             init_info.world_size, init_info.timeout_s, is_master=False)
+        self._store = open_store(init_info.master_address, init_info.master_port, init_info.world_size,
+                                 init_info.join_timeout_s, is_master=False)
+        self.group = open_group(self._store, init_info.master_address, rank, init_info.world_size,
+                                init_info.join_timeout_s)
+        self.timeout_s = init_info.timeout_s
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -196,12 +238,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError(f"{BACKEND}: update_weights before start_weight_update")
         _, size = packed_offsets(update_info.dtype_names, update_info.shapes)
         if update_info.shm_path is not None:
-            # private mapping: reading costs no copy; the sender unlinks the file after the update
+            # private mapping: reading costs no copy
             buf = torch.from_file(update_info.shm_path, shared=False, size=size, dtype=torch.uint8)
         else:
             buf = torch.empty(size, dtype=torch.uint8)
-            self.group.broadcast(buf, 0).wait()
+            broadcast(self.group, buf, self.timeout_s)
         self.model.load_weights(unpack(buf, update_info.names, update_info.dtype_names, update_info.shapes))
+        if update_info.shm_path is not None:
+            _detach_buffered(buf)
         self.received_tensors += len(update_info.names)
 
     def finish_weight_update(self) -> None:

@@ -9,22 +9,19 @@ One sync (``r3rl.orchestration`` drives it; the trainer only produces buckets):
     engines.resume()
 
 Every call goes to all engines concurrently, so N engines take the time of one. A failure names the engine.
-``r3rl.plan.weight_sync_backend`` says which wire a config uses; ``GlooSender`` is the CPU profile's
-(``r3rl.rollout.gloo_transfer``).
+``TransferSender`` is the protocol, the same for every backend; a ``Wire`` carries the bytes
+(``r3rl.rollout.wires``: ``make_wire`` picks the one ``r3rl.plan.weight_sync_backend`` names).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import threading
 import time
-import uuid
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
@@ -132,34 +129,61 @@ class SendStats:
     load_s: float  # waiting for the engines to finish loading the last bucket
 
 
-class GlooSender:
-    """Rank 0 of the ``r3rl_gloo`` group; every worker of every engine joins it at ``init``."""
+@dataclass(frozen=True)
+class Update:
+    """One /update_weights of a sync: the engines' ``update_info`` and, for wires that carry the bytes beside the
+    HTTP call (a broadcast), ``transmit``, run while the engines' request is in flight."""
 
-    def __init__(self, engines: EngineSet, master_address: str, master_port: int, timeout_s: float = 600.0,
-                 *, shared_memory: bool | None = None):
-        from r3rl.rollout.gloo_transfer import open_group
+    info: dict[str, Any]
+    tensors: int
+    nbytes: int
+    transmit: Callable[[], None] | None = None
 
-        self.engines = engines
+
+class Wire(ABC):
+    """The data plane of one backend; ``TransferSender`` drives vLLM's protocol around it, the same for every wire.
+
+    ``listen`` opens the sender's end before any engine is contacted; ``connect`` blocks until every engine worker
+    has joined (``join`` watches the engines meanwhile); ``updates`` turns one bucket into the /update_weights calls
+    that carry it. ``in_flight``: updates the engines may hold at once (1 when the next update reuses the previous
+    one's buffer)."""
+
+    backend: ClassVar[str]
+    in_flight: ClassVar[int] = 2
+
+    def listen(self, world_size: int) -> None:
+        """The sender's end of the rendezvous, before any engine waits on it (default: nothing to open)."""
+
+    @abstractmethod
+    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
+        """``init_info`` of /init_weight_transfer_engine for the engine whose first worker has ``rank_offset``."""
+
+    def connect(self) -> None:
+        """Join the engine workers (blocks until all have joined; default: no group to join)."""
+
+    @abstractmethod
+    def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
+        """The /update_weights calls of one bucket (none for an empty one); the next is asked for once fewer than
+        ``in_flight`` are unanswered."""
+
+    def close(self) -> None:
+        """Release the wire's group and buffers."""
+
+
+class TransferSender:
+    """Rank 0 of a weight-transfer group (or, for IPC, the rank that posts): vLLM's protocol over any ``Wire``."""
+
+    def __init__(self, engines: EngineSet, wire: Wire):
+        self.engines, self.wire = engines, wire
         sizes = engines.world_sizes()
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         world = 1 + sum(sizes)
-        payloads = [{"json": {"init_info": {"master_address": master_address, "master_port": master_port,
-                                            "rank_offset": off, "world_size": world, "timeout_s": timeout_s}}}
-                    for off in offsets]
+        wire.listen(world)  # a port taken or an address not ours fails here, before any engine waits on us
+        payloads = [{"json": {"init_info": wire.init_info(off, world)}} for off in offsets]
         # the workers block in the rendezvous inside /init_weight_transfer_engine until the sender joins
         futures = engines.submit("/init_weight_transfer_engine", "joining the weight-transfer group", payloads)
-        try:
-            self.group, self._store = open_group(master_address, master_port, 0, world, timeout_s, is_master=True)
-        except Exception as err:
-            self._name_failure(futures, err, "opening the weight-transfer group")
-            raise
-        engines.wait(futures)
+        join(futures, engines.urls, wire.connect)
         self.world_size = world
-        self._buf = None  # the warm pack buffer, as large as the largest bucket so far
-        # on loopback every engine can map the sender's files: one copy in, one copy out, no sockets
-        self.shared_memory = master_address in ("127.0.0.1", "localhost") if shared_memory is None \
-            else shared_memory
-        self._shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
     def _name_failure(self, futures, err: BaseException, what: str) -> None:
         """Turn a transport error into an ``EngineError`` naming the engine at fault (an HTTP failure, or else the
@@ -179,62 +203,41 @@ class GlooSender:
     def send(self, buckets: Iterable[list[tuple[str, Any]]], version: int | str) -> SendStats:
         """Stream ``buckets`` (lists of ``(hf_name, tensor)``) to every engine; the weights are labelled ``version``.
 
-        Pipelined: while the engines load bucket k (their /update_weights answer), bucket k+1 is produced and packed
-        (into the warm broadcast buffer, or a shared-memory file the engines map); at most two buckets are in
-        flight. The bucket iterator is always run to its end (the trainer's other ranks take part in producing it).
+        /start_weight_update, then per update of each bucket /update_weights on every engine (with the wire's
+        transmit while it is in flight), then /finish_weight_update. Pipelined: while the engines load one update
+        the next is produced (at most ``wire.in_flight`` unanswered). The bucket iterator is always run to its end
+        (the trainer's other ranks take part in producing it).
         """
-
-        from r3rl.rollout.gloo_transfer import pack, packed_offsets, write_packed
-
         start = time.perf_counter()
         it = iter(buckets)
         count = tensors = nbytes = 0
         pack_s = wire_s = 0.0
         pending: list = []
-        files: list[Path] = []
         try:
             self.engines.start_weight_update()
             for bucket in it:
-                if not bucket:
-                    continue
-                names = [n for n, _ in bucket]
-                ts = [t.detach().cpu() for _, t in bucket]
-                info = {"names": names, "dtype_names": [str(t.dtype).removeprefix("torch.") for t in ts],
-                        "shapes": [list(t.shape) for t in ts]}
-                t0 = time.perf_counter()
-                _, size = packed_offsets(info["dtype_names"], info["shapes"])
-                # a small /dev/shm (containers default to 64 MiB) would fail the write: broadcast those buckets
-                shm = self.shared_memory and shutil.disk_usage(self._shm_dir).free > 2 * size
-                if shm:
-                    path = self._shm_dir / f"r3rl-weights-{os.getpid()}-{uuid.uuid4().hex}"
-                    files.append(path)
-                    write_packed(path, ts, size)
-                    buf = None
-                    info["shm_path"] = str(path)
-                else:
-                    buf = pack(ts, self._buf)
-                    if self._buf is None or buf.numel() > self._buf.numel():
-                        self._buf = buf
-                del ts, bucket
-                t1 = time.perf_counter()
-                futures = self.engines.submit("/update_weights", "receiving weights", json={"update_info": info})
-                pending.append(futures)
-                if not shm:
-                    try:
-                        self.group.broadcast(buf, 0).wait()
-                    except Exception as err:
-                        self._name_failure([f for fs in pending for f in fs], err, "the weight transfer")
-                        raise
-                pack_s, wire_s = pack_s + t1 - t0, wire_s + time.perf_counter() - t1
-                # at most two buckets in flight: the engines load one while the next is produced and packed
-                while len(pending) > 1:
-                    self.engines.wait(pending.pop(0))
-                    for path in files[:-1] if shm else files:  # mapped (privately) by the engines: names can go
-                        path.unlink(missing_ok=True)
-                    files = files[-1:] if shm else []
+                updates = self.wire.updates(bucket)
+                del bucket
+                while True:
+                    while len(pending) >= self.wire.in_flight:  # the engines load one while the next is produced
+                        self.engines.wait(pending.pop(0))
+                    t0 = time.perf_counter()
+                    update = next(updates, None)
+                    if update is None:
+                        break
+                    t1 = time.perf_counter()
+                    pending.append(self.engines.submit("/update_weights", "receiving weights",
+                                                       json={"update_info": update.info}))
+                    if update.transmit is not None:
+                        try:
+                            update.transmit()
+                        except Exception as err:
+                            self._name_failure([f for fs in pending for f in fs], err, "the weight transfer")
+                            raise
+                    pack_s, wire_s = pack_s + t1 - t0, wire_s + time.perf_counter() - t1
+                    tensors += update.tensors
+                    nbytes += update.nbytes
                 count += 1
-                tensors += len(names)
-                nbytes += size
             t2 = time.perf_counter()
             for futures in pending:
                 self.engines.wait(futures)
@@ -244,10 +247,38 @@ class GlooSender:
             for _ in it:  # keep the other trainer ranks' sends matched, so the trainer stays usable
                 pass
             raise
-        finally:
-            for path in files:  # engines that mapped a file keep its pages until they drop the mapping
-                path.unlink(missing_ok=True)
         return SendStats(version, count, tensors, nbytes, time.perf_counter() - start, pack_s, wire_s, load_tail)
 
     def close(self) -> None:
-        self.group = self._store = self._buf = None
+        self.wire.close()
+
+
+def join(futures: list[Future], urls: Sequence[str], open_sender_end: Callable[[], Any]):
+    """Rendezvous of the sender with every engine worker: ``open_sender_end`` (which blocks until all have joined)
+    runs while the engines' /init_weight_transfer_engine requests are watched, so an engine that refuses (not started
+    with ``--weight-transfer-config``, a bad init) or dies fails the join at once, naming it, instead of after the
+    join timeout (after which ``open_sender_end`` gives up by itself). Returns what it returns."""
+    mine: Future = Future()
+
+    def run() -> None:
+        try:
+            mine.set_result(open_sender_end())
+        except BaseException as err:  # noqa: BLE001  (handed to the caller through the future)
+            mine.set_exception(err)
+
+    # a daemon: after an engine refused, the sender's end may still wait for it until the join timeout, and that
+    # wait must not hold the process at exit
+    threading.Thread(target=run, name="r3rl-weight-transfer-join", daemon=True).start()
+    pending = set(futures) | {mine}
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+        for f, url in zip(futures, urls):
+            if f in done and f.exception() is not None:
+                raise EngineError(f"engine {url} did not join the weight-transfer group: {f.exception()}",
+                                  url=url) from f.exception()
+        if mine in done and mine.exception() is not None:
+            late = [url for f, url in zip(futures, urls) if not f.done()] or list(urls)
+            raise EngineError(f"engine {', '.join(late)} did not join the weight-transfer group in time "
+                              f"({type(mine.exception()).__name__}: {mine.exception()})",
+                              url=late[0]) from mine.exception()
+    return mine.result()

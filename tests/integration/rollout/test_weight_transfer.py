@@ -6,16 +6,19 @@ no stale prefix-cache hit."""
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from rollout_helpers import HFReference, perturbed_checkpoint
+from rollout_helpers import HFReference, engine_cfg, perturbed_checkpoint
 from r3rl.config.schema import SamplingConfig
 from r3rl.net import free_port
-from r3rl.rollout.weight_transfer import EngineSet, GlooSender
+from r3rl.rollout.errors import EngineError
+from r3rl.rollout.weight_transfer import EngineSet, TransferSender
+from r3rl.rollout.wires import GlooWire
 from r3rl.rollout.weights import weight_checksums, weight_version
 
 pytestmark = pytest.mark.integration
@@ -42,7 +45,7 @@ def prefix_cache_hits(url: str) -> float:
                if line.startswith("vllm:prefix_cache_hits_total"))
 
 
-def sync(engines: EngineSet, sender: GlooSender, folder, version: int):
+def sync(engines: EngineSet, sender: TransferSender, folder, version: int):
     engines.pause()
     stats = sender.send(buckets_of(folder, 256 * 1024), version)
     engines.reset_prefix_cache()
@@ -65,7 +68,7 @@ def test_transfer_serves_new_weights_and_no_stale_prefix(r3_cfg, r3_engine, r3_c
     before = weight_checksums(url)
 
     engines = EngineSet([url], timeout_s=300)
-    sender = GlooSender(engines, "127.0.0.1", free_port(), timeout_s=300)
+    sender = TransferSender(engines, GlooWire("127.0.0.1", free_port(), 300, 60))
     new_dir = perturbed_checkpoint(tiny_model_dir, tmp_path / "step1")
     try:
         stats = sync(engines, sender, new_dir, version=1)
@@ -96,6 +99,38 @@ def test_transfer_serves_new_weights_and_no_stale_prefix(r3_cfg, r3_engine, r3_c
     finally:
         sender.close()
         engines.close()
+
+
+def test_join_fails_at_once_naming_the_engine_or_the_sender_address(tiny_model_dir, tmp_path):
+    """A real engine that is alive but was started without --weight-transfer-config (as an engine attached by URL
+    may be) refuses /init_weight_transfer_engine: the sender stops waiting for it at once and names it, instead of
+    sitting out the join timeout (10 minutes here, so a regression would also fail on the message). A sender that
+    cannot listen (a real socket holds its port) fails before any engine is asked to wait."""
+    from r3rl.plan import build_plan
+    from r3rl.rollout.engine import VLLMEngine
+
+    cfg = engine_cfg("rollout.weight_sync.backend=disk")
+    launch = build_plan(cfg).engines[0]
+    assert "--weight-transfer-config" not in launch.argv
+    engine = VLLMEngine.launch(launch, tmp_path, cfg.rollout.engine.startup_timeout_s)
+    engines = EngineSet([engine.url], timeout_s=600)
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with pytest.raises(RuntimeError, match=f"sender cannot listen on 127.0.0.1:{port}.*no engine was contacted"):
+                TransferSender(engines, GlooWire("127.0.0.1", port, 600, 600))
+        with pytest.raises(EngineError) as info:
+            TransferSender(engines, GlooWire("127.0.0.1", free_port(), 600, 600))
+        assert info.value.url == engine.url
+        text = str(info.value)
+        assert f"engine {engine.url} did not join the weight-transfer group" in text
+        assert "Weight transfer not configured" in text and "in time" not in text, text
+        assert engine.is_alive()
+    finally:
+        engines.close()
+        engine.shutdown()
 
 
 def r3_engine_arg(cfg, flag: str) -> str:

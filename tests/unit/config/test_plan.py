@@ -157,8 +157,11 @@ def test_weight_transfer_backend_follows_the_layout(compose_cfg):
     """auto: nccl for separate GPUs, ipc + sleep mode when colocated, r3rl_gloo on CPU, none for attached engines."""
     (e,) = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4")).engines
     assert transfer_config(e.argv) == {"backend": "nccl"} and "--enable-sleep-mode" not in e.argv
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in e.env
     colocated = build_plan(compose_cfg("model=qwen3_30b", "parallelism=colocated", COLOCATED_SHARE)).engines
     assert all(transfer_config(e.argv) == {"backend": "ipc"} and "--enable-sleep-mode" in e.argv for e in colocated)
+    # IPC handles reach the engines pickled in /update_weights' JSON, which vLLM unpickles only when allowed
+    assert all(e.env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1" for e in colocated)
     (e,) = build_plan(compose_cfg("parallelism=cpu")).engines
     assert transfer_config(e.argv) == {"backend": "r3rl_gloo"} and "--enable-sleep-mode" not in e.argv
     (e,) = build_plan(compose_cfg("parallelism=cpu", "rollout.weight_sync.backend=disk")).engines

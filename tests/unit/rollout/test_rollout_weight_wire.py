@@ -41,3 +41,20 @@ def test_file_layout_equals_the_buffer_layout(tmp_path):
     dtypes, shapes = [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors]
     for (_, got), want in zip(unpack(data, ["a", "b", "c"], dtypes, shapes), tensors):
         assert torch.equal(got, want)
+
+
+def test_file_rewritten_in_place_keeps_its_pages_and_reads_back_the_new_bucket(tmp_path):
+    from r3rl.rollout.gloo_transfer import write_packed
+
+    path = tmp_path / "bucket"
+    big = [torch.full((1000,), 7.0), torch.full((300,), 3, dtype=torch.int64)]
+    write_packed(path, big, pack(big).numel())
+    inode, size = path.stat().st_ino, path.stat().st_size
+    small = [torch.arange(20, dtype=torch.float32)]
+    n = pack(small).numel()
+    write_packed(path, small, n)
+    # same file, not shrunk (a reader maps only the bucket's first bytes), and those bytes are the new bucket
+    assert path.stat().st_ino == inode and path.stat().st_size == size > n
+    data = torch.from_file(str(path), shared=False, size=n, dtype=torch.uint8)
+    ((_, got),) = unpack(data, ["a"], ["float32"], [[20]])
+    assert torch.equal(got, small[0])

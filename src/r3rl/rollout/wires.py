@@ -1,0 +1,238 @@
+"""The wires of a weight sync, one per ``rollout.weight_sync.backend``; ``make_wire`` is the one place that picks it.
+
+Every wire carries the same bucket stream (``r3rl.train.export.HFBucketStream``) under the same protocol driver
+(``r3rl.rollout.weight_transfer.TransferSender``); only how a bucket's bytes reach the engine workers differs:
+
+- ``r3rl_gloo`` (CPU profile): r3rl's engine (``r3rl.rollout.gloo_transfer``); one gloo broadcast per bucket, or on
+  one host a shared-memory file the engines map.
+- ``nccl`` (GPUs, engines apart from the trainer): vLLM's NCCL engine. The sender is vLLM's trainer side
+  (``nccl_common.trainer_init`` opens rank 0 of the group, ``packed_nccl_broadcast_producer`` sends a bucket through
+  its double-buffered packed broadcast), driven per bucket instead of once per model so that no rank holds more
+  than one bucket.
+- ``ipc`` (GPUs, colocated): vLLM's IPC engine. Every trainer rank holds the bucket's packed chunk (vLLM's
+  ``pack_tensors``) on its own GPU (rank 0 broadcasts it over the trainer's group) and exports a CUDA IPC handle;
+  the handles are gathered by GPU UUID and rank 0 posts them, so each engine worker maps the copy on its GPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import shutil
+import tempfile
+import uuid
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from r3rl.rollout.weight_transfer import Update, Wire
+
+GPU_BACKENDS = ("nccl", "ipc")
+
+
+def make_wire(backend: str, *, master_address: str, master_port: int, bucket_bytes: int, timeout_s: float,
+              join_timeout_s: float = 60.0) -> Wire:
+    """The wire of ``backend`` (``r3rl.plan.weight_sync_backend`` resolved it; ``disk`` has none)."""
+    if backend == "r3rl_gloo":
+        return GlooWire(master_address, master_port, timeout_s, join_timeout_s)
+    if backend == "nccl":
+        return NcclWire(master_address, master_port, bucket_bytes)
+    if backend == "ipc":
+        return IpcWire(bucket_bytes)
+    raise ValueError(f"rollout.weight_sync.backend={backend!r} has no transfer wire (disk syncs through files)")
+
+
+def _meta(bucket: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {"names": [n for n, _ in bucket], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket]}
+
+
+def _nbytes(bucket: list[tuple[str, Any]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+class GlooWire(Wire):
+    """r3rl's CPU wire: rank 0 of a gloo group of its own; on loopback the buckets go through two shared-memory
+    files the engines map (one copy in, one copy out, no sockets)."""
+
+    backend = "r3rl_gloo"
+    in_flight = 2  # the two shared-memory files: a file is rewritten once its previous bucket was answered
+
+    def __init__(self, master_address: str, master_port: int, timeout_s: float, join_timeout_s: float,
+                 *, shared_memory: bool | None = None) -> None:
+        self.address, self.port = master_address, master_port
+        self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
+        self.shared_memory = master_address in ("127.0.0.1", "localhost") if shared_memory is None \
+            else shared_memory
+        self.group = self._store = self._buf = None  # _buf: the warm pack buffer, as large as the largest bucket
+        self._world = 0
+        self._count = 0
+        shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self._shm_dir = shm_dir
+        # rewritten in place sync after sync: their pages stay allocated (a fresh file pays the kernel's page
+        # allocation for every 4 KiB, which on a busy host costs more than the copy itself)
+        self._shm_files = [shm_dir / f"r3rl-weights-{os.getpid()}-{uuid.uuid4().hex}-{i}" for i in range(2)]
+        self._shm_cleanup = weakref.finalize(self, _unlink, list(self._shm_files))
+
+    def listen(self, world_size: int) -> None:
+        from r3rl.rollout.gloo_transfer import open_store
+
+        self._world = world_size
+        try:
+            self._store = open_store(self.address, self.port, world_size, self.join_timeout_s, is_master=True)
+        except Exception as err:
+            raise RuntimeError(f"weight transfer: the sender cannot listen on {self.address}:{self.port} "
+                               f"({type(err).__name__}: {err}); no engine was contacted") from err
+
+    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
+        return {"master_address": self.address, "master_port": self.port, "rank_offset": rank_offset,
+                "world_size": world_size, "timeout_s": self.timeout_s, "join_timeout_s": self.join_timeout_s}
+
+    def connect(self) -> None:
+        from r3rl.rollout.gloo_transfer import open_group
+
+        self.group = open_group(self._store, self.address, 0, self._world, self.join_timeout_s)
+
+    def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
+        from r3rl.rollout.gloo_transfer import broadcast, pack, packed_offsets, write_packed
+
+        if not bucket:
+            return
+        ts = [t.detach().cpu() for _, t in bucket]
+        info = _meta(bucket)
+        _, size = packed_offsets(info["dtype_names"], info["shapes"])
+        path = self._shm_files[self._count % 2]
+        self._count += 1
+        held = path.stat().st_size if path.exists() else 0
+        # a small /dev/shm (containers default to 64 MiB) would fail the write: broadcast those buckets
+        if self.shared_memory and shutil.disk_usage(self._shm_dir).free + held > 2 * size:
+            write_packed(path, ts, size)  # its previous bucket was answered (in_flight), so no engine reads it now
+            yield Update({**info, "shm_path": str(path)}, len(ts), size)
+            return
+        buf = pack(ts, self._buf)
+        if self._buf is None or buf.numel() > self._buf.numel():
+            self._buf = buf
+        yield Update(info, len(ts), size, transmit=lambda: broadcast(self.group, buf, self.timeout_s))
+
+    def close(self) -> None:
+        self.group = self._store = self._buf = None
+        self._shm_cleanup()
+
+
+def _unlink(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+class NcclWire(Wire):
+    """vLLM's NCCL engine; rank 0 of its group is the trainer rank the bucket stream gathers to."""
+
+    backend = "nccl"
+    in_flight = 2
+
+    def __init__(self, master_address: str, master_port: int, bucket_bytes: int) -> None:
+        from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
+
+        self.address, self.port = master_address, master_port
+        # the engines' receive buffers: one bucket each, double-buffered (must agree on both sides: sent at init)
+        self.buffer_bytes, self.num_buffers = bucket_bytes, DEFAULT_PACKED_NUM_BUFFERS
+        self.group = None
+        self._world = 0
+
+    def listen(self, world_size: int) -> None:
+        self._world = world_size
+
+    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
+        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+        return worker_init_payload(NCCLWeightTransferInitInfo(
+            master_address=self.address, master_port=self.port, rank_offset=rank_offset, world_size=world_size,
+            packed=True, packed_buffer_size_bytes=self.buffer_bytes, packed_num_buffers=self.num_buffers))
+
+    def connect(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.group = trainer_init({"master_address": self.address, "master_port": self.port,
+                                   "world_size": self._world})
+
+    def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        if not bucket:
+            return
+
+        def transmit() -> None:
+            packed_nccl_broadcast_producer(iter(bucket), self.group, 0, lambda item: item[1],
+                                           buffer_size_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
+
+        yield Update(_meta(bucket), len(bucket), _nbytes(bucket), transmit=transmit)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+
+class IpcWire(Wire):
+    """vLLM's IPC engine (colocated): the engines read each chunk in place on their own GPU, so the next chunk may
+    only be packed once they have answered (``in_flight`` 1). Every trainer rank runs ``updates`` (collective over
+    the trainer's default group); only rank 0's are posted."""
+
+    backend = "ipc"
+    in_flight = 1
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.buffer_bytes = bucket_bytes
+
+    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
+        return {"packed": True}  # must agree with how the chunks are encoded; no group to join
+
+    def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
+        import torch
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
+        from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if ranks > 1 else 0
+        device = torch.cuda.current_device()
+        gpu = str(torch.cuda.get_device_properties(device).uuid)
+        it = iter(bucket)
+        while True:
+            chunk = pack_tensors(it, lambda item: item[1], self.buffer_bytes) if rank == 0 else None
+            meta = [None if chunk is None else (chunk.names, chunk.shapes,
+                                                [str(d).removeprefix("torch.") for d in chunk.dtypes],
+                                                chunk.tensor_sizes)]
+            if ranks > 1:
+                dist.broadcast_object_list(meta, src=0)
+            if meta[0] is None:
+                return
+            names, shapes, dtype_names, sizes = meta[0]
+            packed = chunk.packed_tensor if chunk is not None else \
+                torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            handles = [{gpu: reduce_tensor(packed)[1]}]
+            if ranks > 1:
+                dist.broadcast(packed, src=0)  # every colocated GPU gets the chunk (NVLink)
+                gathered: list = [None] * ranks
+                dist.all_gather_object(gathered, handles[0])
+                handles = [{k: v for h in gathered for k, v in h.items()}]
+            torch.cuda.current_stream().synchronize()
+            info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "tensor_sizes": sizes,
+                    "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles[0])).decode()}
+            yield Update(info, len(names), sum(sizes))
+            # rank 0 resumes once the engines answered: then no engine reads this chunk and every rank may free it
+            if ranks > 1:
+                dist.barrier()
+            del packed, chunk
+            torch.cuda.ipc_collect()
+
+
+def participate(wire: Wire, buckets) -> None:
+    """A trainer rank other than the sender: produce the buckets (collective) and, for a wire whose updates are
+    collective (IPC), take part in each."""
+    for bucket in buckets:
+        if isinstance(wire, IpcWire):
+            for _ in wire.updates(bucket):
+                pass
