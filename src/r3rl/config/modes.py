@@ -1,0 +1,17 @@
+"""The names of the replay and correction options, and which routing replay a config runs (``replay.name`` with
+``auto`` resolved against the rollout)."""
+
+from __future__ import annotations
+
+REPLAY_NAMES = ("auto", "none", "r2", "r3")
+# the options of r3rl.train.correction
+CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
+
+
+def replay_mode(cfg) -> str:
+    """``none``, ``r2`` or ``r3``. ``auto`` is ``r3`` when the engines return routed experts
+    (``rollout.routing_replay``, rollout=vllm_r3) and ``none`` otherwise."""
+    name = cfg.replay.name
+    if name == "auto":
+        return "r3" if cfg.rollout.routing_replay else "none"
+    return name
