@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from r3rl import checkpoint
 from r3rl import metrics as M
-from r3rl.config.modes import replay_mode
+from r3rl.config.modes import replay_mode, unreplayed_pass_due
 from r3rl.config.schema import R3RLConfig
 from r3rl.dashboard.local import write_comparison
 from r3rl.data.arithmetic import ensure_prompts
@@ -177,7 +177,7 @@ class GRPORecipe:
         # the same batch, without. R2: live routing, recording the routes the trainer chose, which its training
         # forwards then replay. none: live routing.
         t = time.perf_counter()
-        paired = self.r3 and (step - 1) % cfg.replay.no_replay_every == 0
+        paired = unreplayed_pass_due(cfg, step)
         replayed = self.trainers.call("logprobs", batch, replay=self.r3, record=self.replay_mode == "r2")
         unreplayed = self.trainers.call("logprobs", batch, replay=False) if paired else None
         timings["logprobs"] = time.perf_counter() - t

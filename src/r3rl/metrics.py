@@ -17,6 +17,12 @@ Names follow prior art so runs compare with other stacks:
 - ``r3/replay_mismatch_rows``: (token, layer) rows where the routing map Megatron used under replay differs from
   the rollout's route stored on the ``Sample`` for that token and layer, mapped back through the inverse of the
   packing; 0 proves that every replayed route reached its token and layer.
+- ``rollout_corr/...``: the rollout correction's figures with verl's names (``rollout_is_mean``,
+  ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high|low``, ``rollout_rs_masked_fraction``,
+  ``log_ppl_abs_diff``, ``k3_kl``), computed by ``r3rl.train.correction`` from the functions here, every step
+  whatever ``correction.name``; ``train/extreme_token_fraction``: share of tokens with |trainer - rollout| > ln 2.
+- ``r2/replay_mismatch_rows``: under R2, rows of the training forwards whose routing map differed from the route the
+  trainer recorded in its old-log-prob pass (0 proves the replay); ``r2/replayed_rows``: the rows checked.
 
 Token-level inputs are sequences with one 1-D array per sample (ragged) or 2-D arrays ``[samples, tokens]``
 (padded; the mask zeroes the padding). Everything is computed in float64.

@@ -15,3 +15,9 @@ def replay_mode(cfg) -> str:
     if name == "auto":
         return "r3" if cfg.rollout.routing_replay else "none"
     return name
+
+
+def unreplayed_pass_due(cfg, step: int) -> bool:
+    """R3 only: whether step ``step`` (from 1) runs the paired unreplayed log-prob pass (``replay.no_replay_every``;
+    step 1 always does)."""
+    return replay_mode(cfg) == "r3" and (step - 1) % cfg.replay.no_replay_every == 0

@@ -170,12 +170,14 @@ class GRPOConfig(Frozen):
 @dataclass
 class ReplayConfig(Frozen):
     name: str = "auto"
+    run_name_suffix: str = ""
     no_replay_every: int = 1
 
 
 @dataclass
 class CorrectionConfig(Frozen):
     name: str = "none"
+    run_name_suffix: str = ""
     ratio_low: float = 0.5
     ratio_high: float = 2.0
     seq_ratio_low: float = 0.999

@@ -111,6 +111,26 @@ def test_replay_follows_the_rollout_unless_named():
     assert build_plan(compose(["replay=none"])).megatron["moe_enable_routing_replay"] is False
 
 
+def test_a_replay_by_correction_grid_gives_each_run_its_own_folder_and_tags():
+    from r3rl.plan import build_plan
+
+    grid = [(r, c) for r in ("none", "r2", "r3") for c in ("none", "tis")]
+    cfgs = [compose([f"replay={r}", f"correction={c}"]) for r, c in grid]
+    assert len({c.run.output_dir for c in cfgs}) == len(grid)
+    for (r, c), cfg in zip(grid, cfgs):
+        assert {f"replay:{r}", f"correction:{c}"} <= set(build_plan(cfg).wandb.tags)
+    assert compose([]).run.name == "tiny_moe-cpu-vllm_r3"  # the default run keeps its name
+
+
+def test_the_paired_unreplayed_pass_runs_every_n_steps_under_r3_only():
+    from r3rl.config.modes import unreplayed_pass_due
+
+    every3 = compose(["replay.no_replay_every=3"])
+    assert [s for s in range(1, 9) if unreplayed_pass_due(every3, s)] == [1, 4, 7]
+    assert all(unreplayed_pass_due(compose([]), s) for s in range(1, 5))
+    assert not any(unreplayed_pass_due(compose(["replay=r2"]), s) for s in range(1, 5))
+
+
 def test_qwen3_30b_parameter_estimate_matches_published_size():
     cfg = compose(["model=qwen3_30b", GPU])
     assert 30.0e9 < estimate_params(cfg.model) < 31.0e9  # Qwen3-30B-A3B: 30.5B parameters
