@@ -8,6 +8,7 @@ are Ray actors placed by ``r3rl.placement``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from r3rl import checkpoint
 from r3rl import metrics as M
+from r3rl.config.modes import replay_mode, unreplayed_pass_due
 from r3rl.config.schema import R3RLConfig
 from r3rl.dashboard.local import write_comparison
 from r3rl.data.arithmetic import ensure_prompts
@@ -42,6 +44,7 @@ from r3rl.tracking.finished import finished_step, report_finished
 from r3rl.tracking.offline_reader import read_runs
 from r3rl.tracking.summary import print_summary
 from r3rl.tracking.wandb_logger import WandbLogger
+from r3rl.train import correction
 from r3rl.train.grpo import group_advantages
 
 console = Console()
@@ -56,7 +59,9 @@ class GRPORecipe:
         self.cfg = cfg
         self.plan = build_plan(cfg)
         self.run_dir = Path(cfg.run.output_dir).resolve()
-        self.r3 = cfg.rollout.routing_replay
+        self.replay_mode = replay_mode(cfg)
+        self.r3 = self.replay_mode == "r3"
+        self.correction = correction.Correction.of(cfg.correction)
         self.cluster = self.trainers = self.engines = self.logger = self.engine_set = None
         self.history: list[dict[str, float]] = []
         self.colocated = self.plan.placement.colocated
@@ -168,20 +173,31 @@ class GRPORecipe:
             self.engines_asleep = True
             self.trainers.call("onload_optimizer_state")
 
-        # 2. log-probs: with the rollout's routes replayed (R3) and, on the same batch, without
+        # 2. log-probs (pi_old). R3: with the rollout's routes replayed and (every replay.no_replay_every steps), on
+        # the same batch, without. R2: live routing, recording the routes the trainer chose, which its training
+        # forwards then replay. none: live routing.
         t = time.perf_counter()
-        replayed = self.trainers.call("logprobs", batch, replay=self.r3)
-        unreplayed = self.trainers.call("logprobs", batch, replay=False) if self.r3 else replayed
+        paired = unreplayed_pass_due(cfg, step)
+        replayed = self.trainers.call("logprobs", batch, replay=self.r3, record=self.replay_mode == "r2")
+        unreplayed = self.trainers.call("logprobs", batch, replay=False) if paired else None
         timings["logprobs"] = time.perf_counter() - t
+        train_batch = batch
+        if self.replay_mode == "r2":  # the samples keep the engine's routes (if any); training sees the trainer's
+            train_batch = ray.put([dataclasses.replace(s, routed_experts=r)
+                                   for s, r in zip(samples, replayed.recorded_routes)])
 
-        # 3. train
+        # 3. train, on pi_old = the log-probs above, with the rollout correction of pi_old / pi_rollout per token
+        corrected = correction.correct(self.correction, replayed.logprobs, [s.rollout_logprobs for s in samples],
+                                       [s.loss_mask for s in samples])
         advantages = group_advantages(np.asarray(rewards, dtype=np.float64), np.asarray([s.group for s in samples]),
                                       alg.normalize_advantage_std)
         t = time.perf_counter()
         per_token = [np.full(s.response_length, a, dtype=np.float32) for s, a in zip(samples, advantages)]
-        # the replayed log-probs are pi_old: the policy that will be updated, on the rollout's routes
-        train_out = self.trainers.call("train_step", batch, per_token, replay=self.r3,
-                                       old_logprobs=replayed.logprobs)
+        apply = self.correction.kind != "none" or self.correction.seq_error_threshold is not None
+        train_out = self.trainers.call("train_step", train_batch, per_token, replay=self.replay_mode != "none",
+                                       old_logprobs=replayed.logprobs,
+                                       is_weights=corrected.weights if apply else None,
+                                       loss_masks=corrected.loss_masks if apply else None)
         timings["train"] = time.perf_counter() - t
 
         # 4. sync weights: the engines serve the new policy from the next step on
@@ -191,24 +207,33 @@ class GRPORecipe:
             self.trainers.call("offload_optimizer_state")
         timings["weight_sync"] = time.perf_counter() - t
 
-        # 5. metrics: mismatch with and without replay on identical data, routing flips, rewards, perf
+        # 5. metrics: mismatch with and without replay on identical data, routing flips, correction, rewards, perf
+        # (routing flips need the engine's routes: from the unreplayed pass, the only one under R2 and none)
+        live = unreplayed if self.r3 else (replayed if samples[0].routed_experts is not None else None)
         values = M.step_metrics(
             rollout_logprobs=[s.rollout_logprobs for s in samples],
             trainer_logprobs=replayed.logprobs,
-            trainer_logprobs_no_replay=unreplayed.logprobs if self.r3 else None,
+            trainer_logprobs_no_replay=unreplayed.logprobs if unreplayed is not None else None,
             loss_masks=[s.loss_mask for s in samples],
             rewards=rewards,
             response_lengths=[s.response_length for s in samples],
             prompt_lengths=[len(s.prompt_ids) for s in samples],
-            routing_flip_per_layer=unreplayed.flip_per_layer if self.r3 else None,
+            routing_flip_per_layer=live.flip_per_layer if live is not None else None,
             replay_mismatch_rows=replay_mismatch_rows(replayed) if self.r3 else None,
             loss=train_out.get("loss"),
             grad_norm=train_out.get("grad_norm"),
             timings_s=timings,
             step_time_s=time.perf_counter() - started,
         )
+        if self.r3 and unreplayed is None:  # the paired pass skipped this step: its figures are not logged
+            for key in (M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_NO_REPLAY_STDERR):
+                values.pop(key)
+        values.update(corrected.metrics)
         values.update({f"train/{k}": float(v) for k, v in train_out.items()
                        if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
+        if self.replay_mode == "r2":
+            values[M.R2_REPLAY_MISMATCH_ROWS] = float(train_out["replay_mismatch_rows"])
+            values[M.R2_REPLAYED_ROWS] = float(train_out["replayed_rows"])
         self.logger.log(values, step=step)
         self.history.append({"step": step, **values})
 

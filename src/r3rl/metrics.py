@@ -17,6 +17,12 @@ Names follow prior art so runs compare with other stacks:
 - ``r3/replay_mismatch_rows``: (token, layer) rows where the routing map Megatron used under replay differs from
   the rollout's route stored on the ``Sample`` for that token and layer, mapped back through the inverse of the
   packing; 0 proves that every replayed route reached its token and layer.
+- ``rollout_corr/...``: the rollout correction's figures with verl's names (``rollout_is_mean``,
+  ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high|low``, ``rollout_rs_masked_fraction``,
+  ``log_ppl_abs_diff``, ``k3_kl``), computed by ``r3rl.train.correction`` from the functions here, every step
+  whatever ``correction.name``; ``train/extreme_token_fraction``: share of tokens with |trainer - rollout| > ln 2.
+- ``r2/replay_mismatch_rows``: under R2, rows of the training forwards whose routing map differed from the route the
+  trainer recorded in its old-log-prob pass (0 proves the replay); ``r2/replayed_rows``: the rows checked.
 
 Token-level inputs are sequences with one 1-D array per sample (ragged) or 2-D arrays ``[samples, tokens]``
 (padded; the mask zeroes the padding). Everything is computed in float64.
@@ -32,7 +38,7 @@ import numpy as np
 ArrayRows = Union[Sequence[np.ndarray], np.ndarray]
 
 # Each prefix has its own step axis (``<prefix>/step``); the W&B logger defines them from this table.
-PREFIXES: tuple[str, ...] = ("train", "rollout", "r3", "perf")
+PREFIXES: tuple[str, ...] = ("train", "rollout", "r3", "r2", "rollout_corr", "perf")
 STEP_AXES: dict[str, str] = {prefix: f"{prefix}/step" for prefix in PREFIXES}
 
 LOGPROB_ABS_DIFF = "train/logprob_abs_diff"
@@ -49,6 +55,22 @@ GRAD_NORM = "train/grad_norm"
 ROUTING_FLIP_RATE = "r3/routing_flip_rate"
 ROUTING_FLIP_RATE_LAYER = "r3/routing_flip_rate/layer_{layer:02d}"
 REPLAY_MISMATCH_ROWS = "r3/replay_mismatch_rows"
+# R2: the trainer's own routes, recorded in the old-log-prob pass, replayed in that batch's training forwards
+R2_REPLAY_MISMATCH_ROWS = "r2/replay_mismatch_rows"
+R2_REPLAYED_ROWS = "r2/replayed_rows"
+# rollout correction (r3rl.train.correction), verl's names: every step whatever correction.name
+ROLLOUT_IS_MEAN = "rollout_corr/rollout_is_mean"
+ROLLOUT_IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
+ROLLOUT_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
+ROLLOUT_IS_FRACTION_LOW = "rollout_corr/rollout_is_ratio_fraction_low"
+ROLLOUT_RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
+LOG_PPL_ABS_DIFF = "rollout_corr/log_ppl_abs_diff"
+ROLLOUT_CORR_K3_KL = "rollout_corr/k3_kl"
+SEQ_ERROR_GATED_FRACTION = "rollout_corr/seq_error_gated_fraction"
+EXTREME_TOKEN_FRACTION = "train/extreme_token_fraction"
+ROLLOUT_CORR_KEYS: tuple[str, ...] = (ROLLOUT_IS_MEAN, ROLLOUT_IS_ESS, ROLLOUT_IS_FRACTION_HIGH,
+                                      ROLLOUT_IS_FRACTION_LOW, ROLLOUT_RS_MASKED_FRACTION, LOG_PPL_ABS_DIFF,
+                                      ROLLOUT_CORR_K3_KL)
 REWARD_MEAN = "rollout/reward_mean"
 REWARD_STD = "rollout/reward_std"
 REWARD_MIN = "rollout/reward_min"
@@ -93,7 +115,7 @@ def _aligned(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows):
     return t, r, m
 
 
-def _token_masked_mean(per_token: list[np.ndarray], masks: list[np.ndarray]) -> float:
+def token_masked_mean(per_token: list[np.ndarray], masks: list[np.ndarray]) -> float:
     """Mean over every valid token of the batch (NeMo-RL / verl normalisation: long samples weigh more)."""
     total = sum(float(m.sum()) for m in masks)
     if total == 0:
@@ -127,7 +149,7 @@ def stderr(values: Sequence[float] | np.ndarray) -> float:
 def token_mult_prob_error(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
     """NeMo-RL's ``token_mult_prob_error``: token masked mean of exp(|trainer - rollout|); 1.0 is a perfect match."""
     t, r, m = _aligned(trainer_lps, rollout_lps, masks)
-    return _token_masked_mean([np.exp(np.abs(a - b)) for a, b in zip(t, r)], m)
+    return token_masked_mean([np.exp(np.abs(a - b)) for a, b in zip(t, r)], m)
 
 
 def k3_kl(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
@@ -136,7 +158,58 @@ def k3_kl(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> f
     Always >= 0 per token, unbiased, and lower-variance than the plain log-ratio (k1) estimator.
     """
     t, r, m = _aligned(trainer_lps, rollout_lps, masks)
-    return _token_masked_mean([np.expm1(a - b) - (a - b) for a, b in zip(t, r)], m)
+    return token_masked_mean([np.expm1(a - b) - (a - b) for a, b in zip(t, r)], m)
+
+
+def eff_sample_size(weights: ArrayRows, masks: ArrayRows) -> float:
+    """verl's ``rollout_is_eff_sample_size``: 1 / mean(w_n^2) with the weights normalised to mean 1 over the valid
+    tokens, i.e. mean(w)^2 / mean(w^2), in (0, 1]; 1 when every weight is equal."""
+    w, m = _rows("weights", weights), _rows("masks", masks)
+    mean = token_masked_mean(w, m)
+    second = token_masked_mean([x * x for x in w], m)
+    return float(mean * mean / second) if second > 0 else float("nan")
+
+
+def fraction_outside(ratios: ArrayRows, masks: ArrayRows, low: float, high: float) -> tuple[float, float]:
+    """Shares of valid tokens whose ratio is above ``high`` and below ``low``."""
+    r, m = _rows("ratios", ratios), _rows("masks", masks)
+    return (token_masked_mean([(x > high).astype(np.float64) for x in r], m),
+            token_masked_mean([(x < low).astype(np.float64) for x in r], m))
+
+
+def fraction_outside_seq(seq_ratios: Sequence[float] | np.ndarray, masks: ArrayRows, low: float,
+                         high: float) -> tuple[float, float]:
+    """Shares of the samples with a valid token whose sequence-level ratio is above ``high`` and below ``low``."""
+    s = np.asarray(seq_ratios, dtype=np.float64)
+    valid = np.asarray([float(np.sum(m)) > 0 for m in masks])
+    if not valid.any():
+        return float("nan"), float("nan")
+    return float((s[valid] > high).mean()), float((s[valid] < low).mean())
+
+
+def masked_fraction(masks: ArrayRows, kept: ArrayRows) -> float:
+    """verl's ``rollout_rs_masked_fraction``: share of the valid tokens a correction removed from the loss."""
+    m, k = _rows("masks", masks), _rows("kept", kept)
+    total = sum(float(x.sum()) for x in m)
+    return (total - sum(float(x.sum()) for x in k)) / total if total else float("nan")
+
+
+def log_ppl_abs_diff(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
+    """verl's ``log_ppl_abs_diff``: per sample |log-perplexity(trainer) - log-perplexity(rollout)| (the masked mean
+    log-probs' difference), averaged over the samples with a valid token."""
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    per = [abs(float(((a - b) * c).sum() / c.sum())) for a, b, c in zip(t, r, m) if c.sum() > 0]
+    return float(np.mean(per)) if per else float("nan")
+
+
+# |trainer - rollout| above ln 2: the two assign the token probabilities a factor of 2 or more apart
+EXTREME_LOG_DIFF = float(np.log(2.0))
+
+
+def extreme_token_fraction(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
+    """Share of valid tokens with |trainer - rollout| log-prob > ln 2."""
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    return token_masked_mean([(np.abs(a - b) > EXTREME_LOG_DIFF).astype(np.float64) for a, b in zip(t, r)], m)
 
 
 def routing_flip_metrics(per_layer: Sequence[float] | np.ndarray) -> dict[str, float]:

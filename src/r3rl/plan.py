@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r3rl import memory
+from r3rl.config.modes import replay_mode
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
 
@@ -215,7 +216,8 @@ def megatron_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
         "moe_router_dtype": tr.moe_router_dtype,
         "moe_router_fusion": tr.moe_router_fusion,
         "moe_token_dispatcher_type": tr.moe_token_dispatcher_type,
-        "moe_enable_routing_replay": cfg.rollout.routing_replay,
+        # R2 and R3 both replay through Megatron's RouterReplay (R2 also records with it)
+        "moe_enable_routing_replay": replay_mode(cfg) != "none",
         "normalization": "RMSNorm",
         "layernorm_epsilon": m.rms_norm_eps,
         "qk_layernorm": True,
@@ -273,8 +275,10 @@ def optimizer_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
 
 def wandb_naming(cfg: R3RLConfig) -> WandbNaming:
     w = cfg.logger.wandb
-    r3 = "on" if cfg.rollout.routing_replay else "off"
-    base = [f"r3:{r3}", f"model:{cfg.model.name}", f"parallelism:{cfg.parallelism.name}"]
+    mode = replay_mode(cfg)
+    r3 = "on" if mode == "r3" else "off"
+    base = [f"r3:{r3}", f"replay:{mode}", f"correction:{cfg.correction.name}", f"model:{cfg.model.name}",
+            f"parallelism:{cfg.parallelism.name}"]
     mode = w.mode if w.mode != "auto" else ("offline" if cfg.parallelism.device == "cpu" else "online")
     return WandbNaming(
         project=w.project,
@@ -324,6 +328,8 @@ def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
     return {
         "run": {"name": cfg.run.name, "output_dir": cfg.run.output_dir, "num_steps": cfg.run.num_steps},
         "routing_replay": cfg.rollout.routing_replay,
+        "replay": replay_mode(cfg),
+        "correction": cfg.correction.name,
         "ray": {
             "address": cfg.ray.address or "local",
             "gpus": plan.ray_num_gpus,

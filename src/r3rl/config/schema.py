@@ -168,6 +168,24 @@ class GRPOConfig(Frozen):
 
 
 @dataclass
+class ReplayConfig(Frozen):
+    name: str = "auto"
+    run_name_suffix: str = ""
+    no_replay_every: int = 1
+
+
+@dataclass
+class CorrectionConfig(Frozen):
+    name: str = "none"
+    run_name_suffix: str = ""
+    ratio_low: float = 0.5
+    ratio_high: float = 2.0
+    seq_ratio_low: float = 0.999
+    seq_ratio_high: float = 1.002
+    seq_error_threshold: Optional[float] = None
+
+
+@dataclass
 class DataConfig(Frozen):
     name: str = MISSING
     path: str = MISSING
@@ -230,6 +248,8 @@ class R3RLConfig(Frozen):
     rollout: RolloutConfig = MISSING
     trainer: TrainerConfig = MISSING
     algorithm: GRPOConfig = MISSING
+    replay: ReplayConfig = MISSING
+    correction: CorrectionConfig = MISSING
     data: DataConfig = MISSING
     logger: LoggerConfig = MISSING
     ray: RayConfig = field(default_factory=RayConfig)
@@ -242,6 +262,8 @@ GROUP_SCHEMAS: dict[str, type] = {
     "rollout": RolloutConfig,
     "trainer": TrainerConfig,
     "algorithm": GRPOConfig,
+    "replay": ReplayConfig,
+    "correction": CorrectionConfig,
     "data": DataConfig,
     "logger": LoggerConfig,
 }

@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from r3rl.config.modes import CORRECTION_NAMES, REPLAY_NAMES, replay_mode
 from r3rl.config.schema import R3RLConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -171,10 +172,32 @@ def validate(cfg: R3RLConfig) -> None:
               f"model.name={m.name} has ~{params / 1e9:.1f}B parameters and cannot run with parallelism=cpu; "
               "use parallelism=disaggregated_4p4 or parallelism=colocated on GPUs")
 
+    # routing replay (replay=none|r2|r3) and rollout correction
+    check(cfg.replay.name in REPLAY_NAMES, "replay", f"must be one of {REPLAY_NAMES}, got {cfg.replay.name!r}")
+    mode = replay_mode(cfg) if cfg.replay.name in REPLAY_NAMES else "none"
+    check(mode != "r3" or ro.routing_replay, "replay",
+          f"replay=r3 replays the engine's routes, but rollout={ro.name} does not return them "
+          "(rollout.routing_replay=false): use rollout=vllm_r3, or replay=r2 to replay the trainer's own routes")
+    check(mode != "r2" or pp == 1, "replay",
+          f"replay=r2 records routes in an unpipelined pass: needs parallelism.trainer.pipeline_parallel=1, got {pp}")
+    check(cfg.replay.no_replay_every >= 1, "replay.no_replay_every",
+          f"must be >= 1, got {cfg.replay.no_replay_every}")
+    corr = cfg.correction
+    check(corr.name in CORRECTION_NAMES, "correction", f"must be one of {CORRECTION_NAMES}, got {corr.name!r}")
+    check(0 < corr.ratio_low < corr.ratio_high, "correction.ratio_low",
+          f"0 < correction.ratio_low < correction.ratio_high needed, got {corr.ratio_low} and {corr.ratio_high}")
+    check(0 < corr.seq_ratio_low <= corr.seq_ratio_high, "correction.seq_ratio_low",
+          f"0 < correction.seq_ratio_low <= correction.seq_ratio_high needed, got {corr.seq_ratio_low} and "
+          f"{corr.seq_ratio_high}")
+    check(corr.seq_error_threshold is None or corr.seq_error_threshold >= 1.0, "correction.seq_error_threshold",
+          f"must be null or >= 1 (exp of a mean absolute log-prob difference), got {corr.seq_error_threshold}")
+
     # rollout
+    check(mode == "none" or m.num_experts > 1, "replay",
+          f"replay={mode} replays routed experts and needs an MoE model; model.num_experts={m.num_experts}")
     check(not ro.routing_replay or m.num_experts > 1, "rollout",
-          f"rollout={ro.name} replays routed experts and needs an MoE model; model.num_experts={m.num_experts}")
-    check(not (ro.routing_replay and tr.moe_router_fusion), "trainer.moe_router_fusion",
+          f"rollout={ro.name} returns routed experts and needs an MoE model; model.num_experts={m.num_experts}")
+    check(not (mode != "none" and tr.moe_router_fusion), "trainer.moe_router_fusion",
           "must be false with routing replay: Megatron's fused router returns before the replayed top-k")
     check(not ro.routing_replay or ro.engine.enable_prefix_caching, "rollout.engine.enable_prefix_caching",
           "must be true with routing replay: vLLM refuses --enable-return-routed-experts without prefix caching")

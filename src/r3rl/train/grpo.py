@@ -67,15 +67,21 @@ class LossTerms:
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 *, clip_low: float, clip_high: float, ref_logprobs: torch.Tensor | None = None,
-                kl_coef: float = 0.0) -> LossTerms:
+                kl_coef: float = 0.0, is_weights: torch.Tensor | None = None) -> LossTerms:
     """PPO-clip surrogate with asymmetric clipping (``1-clip_low``, ``1+clip_high``) plus an optional k3 KL to a
-    reference policy, summed over tokens where ``mask`` is set."""
+    reference policy, summed over tokens where ``mask`` is set.
+
+    ``is_weights``: the rollout correction's per-token weights (``r3rl.train.correction``), constants multiplying
+    each token's policy-gradient term (pi_old / pi_rollout, the gap PPO's ratio does not see)."""
     mask = mask.to(logprobs.dtype)
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(per_token.dtype)
+    pg_token = per_token
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_coef > 0:
         # k3 estimator of KL(pi || ref): unbiased, non-negative, low variance
@@ -86,7 +92,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         was_clipped = (clipped > unclipped).to(mask.dtype)
     return LossTerms(
         loss=(per_token * mask).sum(),
-        pg=(torch.maximum(unclipped, clipped) * mask).sum().detach(),
+        pg=(pg_token * mask).sum().detach(),
         kl=(kl * mask).sum().detach(),
         clipped=(was_clipped * mask).sum(),
         ratio=(ratio.detach() * mask).sum(),

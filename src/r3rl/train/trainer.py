@@ -33,6 +33,8 @@ class LogprobResult:
     # (mapped back through the inverse of the packing); None without replay
     replayed_routes_match: bool | None
     replay_mismatch_rows: int  # (token, layer) rows whose routing map differed from the rollout's route
+    # the trainer's own routes of this pass, ``[T-1, L, K]`` per sample (R2 records them); None unless asked
+    recorded_routes: list[np.ndarray] | None = None
 
     @property
     def flip_rate(self) -> float:
@@ -173,8 +175,14 @@ class MegatronTrainer:
         return -tensor_parallel.vocab_parallel_cross_entropy(output.float(), mb.labels)
 
     def _forward_only(self, model, samples: Sequence[Sample], *, replay: bool, probe_routes: list | None,
-                      driver_routers: list | None = None) -> tuple[dict[int, np.ndarray], ProbeCounts | None]:
-        """No-grad pass over all samples; returns this rank's response log-probs by sample index and probe counts."""
+                      driver_routers: list | None = None, recorded: dict | None = None
+                      ) -> tuple[dict[int, np.ndarray], ProbeCounts | None]:
+        """No-grad pass over all samples; returns this rank's response log-probs by sample index and probe counts.
+
+        ``recorded``: a dict that receives, per sample index, this rank's recorded top-k rows per layer (the
+        routers route themselves under Megatron's RECORD; never with ``replay``)."""
+        if recorded is not None and (replay or self.pipelined):
+            raise RuntimeError("routes are recorded in an unreplayed, unpipelined pass only")
         indices = list(range(len(samples)))
         routes = probe_routes
         mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes)
@@ -192,10 +200,15 @@ class MegatronTrainer:
                                             probe=probe)
             else:
                 token_lps = []
-                for mb, _ in mbs:
+                for mb, valid in mbs:
                     if probe is not None:
                         probe.expect(mb, replaying=replay)
+                    if recorded is not None:
+                        self.replay.record()
                     token_lps.append(self._forward(model, mb, replay=replay, backward_follows=False))
+                    if recorded is not None:
+                        self._keep_recorded(samples, mb, valid, recorded)
+                        self.replay.clear()
             if self._ps.is_pipeline_last_stage():
                 for (mb, valid), lp in zip(mbs, token_lps):
                     full = self.layout.gather_tokens(lp, group=self._ps.get_context_parallel_group())
@@ -258,62 +271,66 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------------ public API
 
-    def logprobs(self, samples: Sequence[Sample], *, replay: bool) -> LogprobResult:
+    def logprobs(self, samples: Sequence[Sample], *, replay: bool, record: bool = False) -> LogprobResult:
         """Response log-probs of every sample (no grad), replaying the rollout routes or with live routing.
 
         Also measures, per layer, how often the trainer's own router picks a different top-k set than the rollout
         (over rows with rollout routes), and under replay whether the routing maps equalled the routes given.
+        ``record`` (live routing only) also returns the routes the trainer chose in this very pass (R2's routes).
         """
-        if replay and self.replay is None:
-            raise RuntimeError("logprobs(replay=True) needs a model built with routing replay (rollout.routing_replay)")
+        if (replay or record) and self.replay is None:
+            raise RuntimeError("logprobs(replay=True or record=True) needs a model built with routing replay "
+                               "(replay=r2|r3)")
+        if record and replay:
+            raise ValueError("logprobs: record the trainer's own routes in an unreplayed pass (replay=False)")
         if not samples:
             return LogprobResult([], np.full(self.cfg.model.num_layers, np.nan), None, 0)
         routes = self._validated_routes(samples, required=replay)
+        kept: dict | None = {} if record else None
         local, counts = self._forward_only(self.model, samples, replay=replay, probe_routes=routes,
-                                           driver_routers=self.routers)
+                                           driver_routers=self.routers, recorded=kept)
         logprobs = collect.merge_by_index(local, len(samples), "log-probs")
+        own = self._merge_recorded(samples, kept) if record else None
         num_layers = self.cfg.model.num_layers
         if counts is None:
-            return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0)
+            return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0, own)
         counts = self._reduce_counts(counts)
         with np.errstate(invalid="ignore", divide="ignore"):
             flips = np.where(counts.routed_rows > 0, counts.flips / np.maximum(counts.routed_rows, 1), np.nan)
         mismatches = int(counts.replay_mismatches.sum())
         matched = (mismatches == 0 and bool((counts.replay_rows > 0).all())) if replay else None
-        return LogprobResult(logprobs, flips.astype(np.float64), matched, mismatches)
+        return LogprobResult(logprobs, flips.astype(np.float64), matched, mismatches, own)
 
     def record_routes(self, samples: Sequence[Sample]) -> list[np.ndarray]:
         """The trainer's own routing (Megatron's RECORD), shaped like the engine's: ``[T-1, L, K]`` per sample in the
         narrow route dtype. Replaying these reproduces the unreplayed forward."""
-        if self.replay is None:
-            raise RuntimeError("record_routes needs a model built with routing replay (rollout.routing_replay)")
+        return self.logprobs(samples, replay=False, record=True).recorded_routes
+
+    def _keep_recorded(self, samples: Sequence[Sample], mb: MicroBatch, valid: list[bool],
+                       local: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]]) -> None:
+        """This rank's rows of the top-k each router recorded in ``mb``'s forward, by sample index and layer."""
+        batch, seq_len = len(mb.indices), mb.seq_len
+        # which (sample slot, position) each of this rank's router rows is, via the tokens' own layout
+        slot = self.layout.router_rows(np.repeat(np.arange(batch)[:, None], seq_len, axis=1))
+        pos = self.layout.router_rows(np.repeat(np.arange(seq_len)[None, :], batch, axis=0))
+        topk = self.cfg.model.moe_topk
+        for layer, idx in self.replay.recorded().items():
+            idx = idx.cpu().numpy()
+            for b, (index, ok) in enumerate(zip(mb.indices, valid)):
+                length = samples[index].num_tokens - 1
+                mine = (slot == b) & (pos < length)
+                if not ok or not mine.any():
+                    continue
+                held = np.zeros(length, dtype=bool)
+                rows = np.zeros((length, topk), dtype=np.int64)
+                held[pos[mine]] = True
+                rows[pos[mine]] = idx[mine]
+                local.setdefault(index, {})[layer] = (held, rows)
+
+    def _merge_recorded(self, samples: Sequence[Sample], local: dict) -> list[np.ndarray]:
         from r3rl.sample import routes_dtype
 
         m = self.cfg.model
-        mbs = self._micro_batches(samples, list(range(len(samples))), self.cfg.trainer.micro_batch_size, routes=None)
-        local: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
-        self.model.eval()
-        with torch.no_grad(), self.replay.session():
-            for mb, valid in mbs:
-                batch, seq_len = len(mb.indices), mb.seq_len
-                # which (sample slot, position) each of this rank's router rows is, via the tokens' own layout
-                slot = self.layout.router_rows(np.repeat(np.arange(batch)[:, None], seq_len, axis=1))
-                pos = self.layout.router_rows(np.repeat(np.arange(seq_len)[None, :], batch, axis=0))
-                self.replay.record()
-                self._forward(self.model, mb, replay=False, backward_follows=False)
-                for layer, idx in self.replay.recorded().items():
-                    idx = idx.cpu().numpy()
-                    for b, (index, ok) in enumerate(zip(mb.indices, valid)):
-                        length = samples[index].num_tokens - 1
-                        mine = (slot == b) & (pos < length)
-                        if not ok or not mine.any():
-                            continue
-                        held = np.zeros(length, dtype=bool)
-                        rows = np.zeros((length, m.moe_topk), dtype=np.int64)
-                        held[pos[mine]] = True
-                        rows[pos[mine]] = idx[mine]
-                        local.setdefault(index, {})[layer] = (held, rows)
-                self.replay.clear()
         return collect.merge_routes(local, [s.num_tokens - 1 for s in samples], m.num_layers, m.moe_topk,
                                     routes_dtype(m.num_experts))
 
@@ -325,9 +342,11 @@ class MegatronTrainer:
         return collect.merge_by_index(local, len(samples), "reference log-probs")
 
     def _accumulate(self, samples: Sequence[Sample], indices: list[int], per_token: dict[str, list[np.ndarray]],
-                    routes: list[np.ndarray] | None, replay: bool) -> tuple[torch.Tensor, int]:
+                    routes: list[np.ndarray] | None, replay: bool,
+                    probe: RouteProbe | None = None) -> tuple[torch.Tensor, int]:
         """Forward/backward over one global batch into the DDP grad buffers, then reduce and normalise them by the
-        global loss-token count. Returns the summed loss terms and the backward-replay entries left unconsumed."""
+        global loss-token count. Returns the summed loss terms and the backward-replay entries left unconsumed.
+        ``probe`` checks, in these training forwards, that the routing maps used were the replayed routes."""
         from megatron.core.distributed import finalize_model_grads
 
         alg = self.cfg.algorithm
@@ -339,7 +358,8 @@ class MegatronTrainer:
             return grpo.policy_loss(token_lp, p["old_logprobs"], p["advantages"], p["loss_mask"],
                                     clip_low=alg.clip_eps_low, clip_high=alg.clip_eps_high,
                                     ref_logprobs=p.get("ref_logprobs"),
-                                    kl_coef=alg.kl_coef if alg.use_kl_loss else 0.0)
+                                    kl_coef=alg.kl_coef if alg.use_kl_loss else 0.0,
+                                    is_weights=p.get("is_weights"))
 
         self.model.train()
         self.model.zero_grad_buffer()
@@ -350,13 +370,18 @@ class MegatronTrainer:
             if self.pipelined:
                 self.model.config.finalize_model_grads_func = finalize_model_grads
                 self.model.config.no_sync_func = self.model.no_sync
+                # 1F1B interleaves forwards and backwards of different micro batches: no per-forward probe
                 terms_list = self._pipelined(self.model, [mb for mb, _ in mbs], replay=replay, forward_only=False,
                                              loss=loss)
                 num_tokens = None
             else:
                 terms_list = []
                 for mb, _ in mbs:
+                    if probe is not None:
+                        probe.expect(mb, replaying=replay)
                     token_lp = self._forward(self.model, mb, replay=replay, backward_follows=True)
+                    if probe is not None:  # activation recompute in backward re-runs the routers: not counted twice
+                        probe.expect(None, replaying=False)
                     terms = loss(token_lp, mb)
                     terms.loss.backward()
                     if replay:
@@ -378,27 +403,39 @@ class MegatronTrainer:
         ])
         return self._reduce_sums(sums), unconsumed
 
-    def _per_token_inputs(self, samples: Sequence[Sample], advantages, old_logprobs, replay: bool
-                          ) -> dict[str, list[np.ndarray]]:
+    def _per_token_inputs(self, samples: Sequence[Sample], advantages, old_logprobs, replay: bool,
+                          is_weights=None, loss_masks=None) -> dict[str, list[np.ndarray]]:
         lengths = [s.response_length for s in samples]
         adv = grpo.per_token_advantages(advantages, lengths)
         if old_logprobs is None:
             # pi_old: the current weights on the same routes, before any update of this call
             old_logprobs = self.logprobs(samples, replay=replay).logprobs
         old = [np.asarray(o, dtype=np.float32) for o in old_logprobs]
+        masks = loss_masks if loss_masks is not None else [s.loss_mask for s in samples]
         per_token = {"advantages": adv, "old_logprobs": old,
-                     "loss_mask": [np.asarray(s.loss_mask, dtype=np.float32) for s in samples]}
+                     "loss_mask": [np.asarray(m, dtype=np.float32) for m in masks]}
+        if is_weights is not None:
+            per_token["is_weights"] = [np.asarray(w, dtype=np.float32) for w in is_weights]
+        for name, values in (("loss_mask", per_token["loss_mask"]), ("is_weights", per_token.get("is_weights"))):
+            bad = [i for i, (v, n) in enumerate(zip(values or [], lengths)) if v.shape != (n,)]
+            if bad:
+                raise ValueError(f"{name} of samples {bad[:5]} do not have one value per response token")
         if self.ref_model is not None and self.cfg.algorithm.use_kl_loss:
             per_token["ref_logprobs"] = self.reference_logprobs(samples)
         return per_token
 
     def train_step(self, samples: Sequence[Sample], advantages, *, replay: bool,
-                   old_logprobs: Sequence[np.ndarray] | None = None) -> dict[str, float]:
+                   old_logprobs: Sequence[np.ndarray] | None = None, is_weights: Sequence[np.ndarray] | None = None,
+                   loss_masks: Sequence[np.ndarray] | None = None) -> dict[str, float]:
         """GRPO update on ``samples``: ``len(samples) / algorithm.global_batch_size`` optimizer steps, each over
         micro batches of ``trainer.micro_batch_size`` per data-parallel rank.
 
         ``advantages``: one scalar or one ``float32[R]`` per sample. ``old_logprobs`` (pi_old per response token)
-        default to a no-grad pass of the current weights with the same ``replay`` setting.
+        default to a no-grad pass of the current weights with the same ``replay`` setting. ``is_weights`` and
+        ``loss_masks`` (one ``[R]`` per sample) are the rollout correction's weights and masks. Every per-token
+        input and route is indexed by sample, so each optimizer step's share keeps its own.
+        Under replay the routing maps of every training forward are checked against the routes replayed
+        (``replay_mismatch_rows``: must be 0; ``replayed_rows``).
         """
         if replay and self.replay is None:
             raise RuntimeError("train_step(replay=True) needs a model built with routing replay")
@@ -407,13 +444,16 @@ class MegatronTrainer:
             raise ValueError(f"{len(samples)} samples do not split into global batches of {gbs} "
                              "(algorithm.global_batch_size)")
         routes = self._validated_routes(samples, required=True) if replay else None
-        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay)
+        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks)
+        probe = RouteProbe(self.routers, self.cfg.model.num_layers, self.layout, routes) \
+            if replay and not self.pipelined else None
         totals = torch.zeros(6, dtype=torch.float64)
         norms, ok_steps, unconsumed = [], 0, 0
         lr = self.cfg.trainer.lr
         for start in range(0, len(samples), gbs):
             indices = list(range(start, start + gbs))
-            sums, left = self._accumulate(samples, indices, per_token, routes, replay)
+            with probe or contextlib.nullcontext():
+                sums, left = self._accumulate(samples, indices, per_token, routes, replay, probe)
             lr = optim.lr_at(self.optimizer_step, self.total_steps, self.cfg.trainer.lr, self.cfg.trainer.min_lr)
             self.optimizer.set_lr(lr)
             ok, norm = self.optimizer.step()
@@ -441,6 +481,10 @@ class MegatronTrainer:
         if replay:
             metrics["replay_backward_unconsumed"] = float(unconsumed)
             metrics["replay_queue_after_step"] = float(self.replay.pending())
+        if probe is not None:
+            counts = self._reduce_counts(probe.counts)
+            metrics["replay_mismatch_rows"] = float(counts.replay_mismatches.sum())
+            metrics["replayed_rows"] = float(counts.replay_rows.sum())
         return metrics
 
     def gradients(self, samples: Sequence[Sample], advantages, *, replay: bool,

@@ -105,10 +105,27 @@ def wandb_runs(run_dir: Path):
     return [read_run(f) for f in files]
 
 
+# half the 16 samples of SMALL_STEP: two optimizer steps per rollout batch (routes, pi_old and corrections must stay
+# with their samples across them)
+HALF_BATCH = "algorithm.global_batch_size=8"
+
+
 @pytest.fixture(scope="session")
 def r3_run(tmp_path_factory, tiny_model_dir) -> Path:
-    """The default recipe (tiny MoE, R3, bf16 engine vs fp32 trainer) for 2 steps."""
+    """The default recipe (tiny MoE, R3, bf16 engine vs fp32 trainer) for 2 steps, with token-level TIS and two
+    optimizer steps per rollout batch."""
     run_dir = tmp_path_factory.mktemp("r3_run")
-    out = run_recipe(run_dir, "run.num_steps=2")
+    out = run_recipe(run_dir, "run.num_steps=2", "correction=tis", HALF_BATCH)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def r2_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """R2 without routes from the engine (rollout=vllm), IcePop with the sequence gate, two optimizer steps per
+    rollout batch, 2 steps."""
+    run_dir = tmp_path_factory.mktemp("r2_run")
+    out = run_recipe(run_dir, "run.num_steps=2", "rollout=vllm", "replay=r2", "correction=icepop",
+                     "correction.seq_error_threshold=2.0", HALF_BATCH)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return run_dir

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.integration
 EVERY_STEP = [M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_STDERR,
               M.LOGPROB_ABS_DIFF_NO_REPLAY_STDERR, M.TOKEN_MULT_PROB_ERROR, M.K3_KL,
               M.ROUTING_FLIP_RATE, M.REPLAY_MISMATCH_ROWS, M.REWARD_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS,
-              M.GRAD_NORM, M.PERF_TOKENS_PER_S] + [M.perf_time_key(s) for s in M.PERF_STAGES]
+              M.GRAD_NORM, M.PERF_TOKENS_PER_S, M.EXTREME_TOKEN_FRACTION, *M.ROLLOUT_CORR_KEYS] + \
+    [M.perf_time_key(s) for s in M.PERF_STAGES]
 
 
 def test_default_recipe_logs_every_metric_every_step(r3_run):
@@ -30,7 +31,33 @@ def test_default_recipe_logs_every_metric_every_step(r3_run):
         missing = [k for k in EVERY_STEP + [M.flip_rate_key(layer) for layer in range(4)] if k not in row]
         assert not missing, f"step {step} lacks {missing}"
         assert 0 < row[M.LOGPROB_ABS_DIFF_STDERR] < row[M.LOGPROB_ABS_DIFF]
-    assert "r3:on" in run.tags and run.group == "tiny_moe-cpu"
+        # two optimizer steps per rollout batch, each training forward on the rollout's routes
+        assert row["train/optimizer_steps"] == 2 and row["train/replay_mismatch_rows"] == 0
+        assert row["train/replayed_rows"] > 0
+        # TIS drops nothing; its weights average near 1 with the replayed pi_old
+        assert row[M.ROLLOUT_RS_MASKED_FRACTION] == 0 and 0.5 < row[M.ROLLOUT_IS_MEAN] <= 2.0
+        assert 0 < row[M.ROLLOUT_IS_ESS] <= 1
+    assert {"r3:on", "replay:r3", "correction:tis"} <= set(run.tags) and run.group == "tiny_moe-cpu"
+    assert not any(k.startswith("r2/") for row in run.history for k in row)
+
+
+def test_r2_runs_without_engine_routes_and_replays_the_trainers_own(r2_run):
+    (run,) = wandb_runs(r2_run)
+    steps = {row["_step"]: row for row in run.history}
+    assert sorted(steps) == [1, 2]
+    for step, row in steps.items():
+        missing = [k for k in [M.R2_REPLAY_MISMATCH_ROWS, M.R2_REPLAYED_ROWS, M.SEQ_ERROR_GATED_FRACTION,
+                               M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.EXTREME_TOKEN_FRACTION,
+                               *M.ROLLOUT_CORR_KEYS] if k not in row]
+        assert not missing, f"step {step} lacks {missing}"
+        # every (token, layer) of both optimizer steps' forwards used the route recorded in the old-log-prob pass
+        assert row[M.R2_REPLAY_MISMATCH_ROWS] == 0 and row[M.R2_REPLAYED_ROWS] > 0
+        assert row["train/optimizer_steps"] == 2
+        # no engine routes: nothing to measure a flip rate or an R3 replay against
+        assert not any(k.startswith("r3/") for k in row)
+        assert 0 <= row[M.ROLLOUT_RS_MASKED_FRACTION] < 1
+    assert {"r3:off", "replay:r2", "correction:icepop"} <= set(run.tags)
+    assert_nothing_left(r2_run)
 
 
 def test_replay_lowers_the_mismatch_on_the_same_batches(r3_run):

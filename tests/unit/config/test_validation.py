@@ -28,6 +28,16 @@ GPU = "parallelism=disaggregated_4p4"
         (["trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
         (["model.num_experts=1", "model.moe_topk=1", "parallelism=cpu"], "rollout"),
         (["algorithm.global_batch_size=5"], "algorithm.global_batch_size"),
+        (["rollout=vllm", "replay=r3"], "replay"),
+        (["rollout=vllm", "replay=r2", "trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
+        ([GPU, "replay=r2", "parallelism.trainer.pipeline_parallel=2", "parallelism.trainer.expert_parallel=2"],
+         "replay"),
+        (["replay.name=r4"], "replay"),
+        (["replay.no_replay_every=0"], "replay.no_replay_every"),
+        (["correction.name=is"], "correction"),
+        (["correction=icepop", "correction.ratio_low=6"], "correction.ratio_low"),
+        (["correction=seq_mask_tis", "correction.seq_ratio_low=1.1"], "correction.seq_ratio_low"),
+        (["correction.seq_error_threshold=0.5"], "correction.seq_error_threshold"),
         ([GPU, "algorithm.global_batch_size=2", "algorithm.rollout_batch_size=2", "algorithm.n_samples_per_prompt=2"],
          "algorithm.global_batch_size"),
         (["algorithm.n_samples_per_prompt=1", "algorithm.global_batch_size=4"], "algorithm.n_samples_per_prompt"),
@@ -84,6 +94,41 @@ def test_plus_override_of_unknown_key_is_refused():
 def test_no_replay_baseline_accepts_router_fusion():
     cfg = compose(["rollout=vllm", "trainer.moe_router_fusion=true"])
     assert cfg.rollout.routing_replay is False
+
+
+def test_replay_follows_the_rollout_unless_named():
+    from r3rl.config.modes import replay_mode
+    from r3rl.plan import build_plan
+
+    assert replay_mode(compose([])) == "r3" and replay_mode(compose(["rollout=vllm"])) == "none"
+    r2 = compose(["rollout=vllm", "replay=r2", "correction=tis"])
+    assert replay_mode(r2) == "r2"
+    plan = build_plan(r2)
+    # R2 records and replays through Megatron's RouterReplay; the engines return no routes
+    assert plan.megatron["moe_enable_routing_replay"] is True
+    assert "--enable-return-routed-experts" not in plan.engines[0].argv
+    assert {"r3:off", "replay:r2", "correction:tis"} <= set(plan.wandb.tags)
+    assert build_plan(compose(["replay=none"])).megatron["moe_enable_routing_replay"] is False
+
+
+def test_a_replay_by_correction_grid_gives_each_run_its_own_folder_and_tags():
+    from r3rl.plan import build_plan
+
+    grid = [(r, c) for r in ("none", "r2", "r3") for c in ("none", "tis")]
+    cfgs = [compose([f"replay={r}", f"correction={c}"]) for r, c in grid]
+    assert len({c.run.output_dir for c in cfgs}) == len(grid)
+    for (r, c), cfg in zip(grid, cfgs):
+        assert {f"replay:{r}", f"correction:{c}"} <= set(build_plan(cfg).wandb.tags)
+    assert compose([]).run.name == "tiny_moe-cpu-vllm_r3"  # the default run keeps its name
+
+
+def test_the_paired_unreplayed_pass_runs_every_n_steps_under_r3_only():
+    from r3rl.config.modes import unreplayed_pass_due
+
+    every3 = compose(["replay.no_replay_every=3"])
+    assert [s for s in range(1, 9) if unreplayed_pass_due(every3, s)] == [1, 4, 7]
+    assert all(unreplayed_pass_due(compose([]), s) for s in range(1, 5))
+    assert not any(unreplayed_pass_due(compose(["replay=r2"]), s) for s in range(1, 5))
 
 
 def test_qwen3_30b_parameter_estimate_matches_published_size():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from r3rl.metrics import step_metrics
+from r3rl.train.correction import Correction, correct
 
 
 def _make_step_metrics(step: int, *, r3: bool, layers: int = 4, samples: int = 8, seed: int = 0) -> dict[str, float]:
@@ -19,7 +20,8 @@ def _make_step_metrics(step: int, *, r3: bool, layers: int = 4, samples: int = 8
     no_replay = [r + rng.normal(0, 0.04, r.shape) for r in rollout]
     replay = [r + rng.normal(0, 0.01, r.shape) for r in rollout]
     masks = [np.ones(n) for n in lengths]
-    return step_metrics(
+    trainer = replay if r3 else no_replay
+    return {**correct(Correction(), trainer, rollout, masks).metrics, **step_metrics(
         rollout_logprobs=rollout, trainer_logprobs=replay if r3 else no_replay, loss_masks=masks,
         trainer_logprobs_no_replay=no_replay if r3 else None,
         rewards=rng.integers(0, 2, size=samples).astype(float), response_lengths=lengths,
@@ -28,7 +30,7 @@ def _make_step_metrics(step: int, *, r3: bool, layers: int = 4, samples: int = 8
         replay_mismatch_rows=0 if r3 else None,
         loss=float(rng.normal()), grad_norm=float(rng.uniform(0.5, 2.0)),
         timings_s={"rollout": 2.0 + step * 0.1, "logprobs": 0.5, "train": 1.0, "weight_sync": 0.25},
-    )
+    )}
 
 
 def _wandb_processes() -> list[int]:

@@ -53,8 +53,10 @@ def test_reader_gets_every_metric_at_every_step(logged):
     for row in run.history:
         expected = metrics[row["_step"]]
         assert {k: row[k] for k in expected} == expected
+        # each prefix's own step axis, on every prefix the step logged (an R3 run logs no r2/ key)
+        assert {k.split("/", 1)[0] for k in expected} == set(STEP_AXES) - {"r2"}
         for prefix, axis in STEP_AXES.items():
-            assert row[axis] == row["_step"]  # each prefix's own step axis
+            assert row.get(axis, row["_step"]) == row["_step"] and (prefix == "r2") != (axis in row)
     assert run.metric_step_axes == {f"{p}/*": axis for p, axis in STEP_AXES.items()}
     assert run.summary["train/logprob_abs_diff"] == metrics[STEPS - 1]["train/logprob_abs_diff"]
     assert run.exit_code == 0 and not run.truncated
@@ -67,7 +69,7 @@ def test_reader_gets_config_and_naming(logged, cfg):
     assert run.config == {**dataclasses.asdict(cfg), "notes": BIG_NOTE}
     assert run.name == "offline-test"
     assert run.group == "tiny_moe-cpu"
-    assert run.tags == ("r3:on", "model:tiny_moe", "parallelism:cpu", "ci")
+    assert run.tags == ("r3:on", "replay:r3", "correction:none", "model:tiny_moe", "parallelism:cpu", "ci")
     assert run.r3 is True
     assert run.project == "r3rl"
     # the framing really was exercised: several blocks, and the config split across chunks
@@ -126,7 +128,7 @@ def test_log_is_once_per_step_with_known_prefixes(cfg, tmp_path, no_wandb_env):
     logger.log({"train/loss": 1.0}, step=3)
     with pytest.raises(ValueError, match="step 3 was already logged"):
         logger.log({"train/loss": 2.0}, step=3)
-    with pytest.raises(ValueError, match="'eval/acc': keys must start with one of train/, rollout/, r3/, perf/"):
+    with pytest.raises(ValueError, match="'eval/acc': keys must start with one of train/, rollout/, r3/, r2/, rollout_corr/, perf/"):
         logger.log({"eval/acc": 1.0}, step=4)
     with pytest.raises(ValueError, match="is a step axis"):
         logger.log({"train/step": 4}, step=4)

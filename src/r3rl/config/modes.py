@@ -1,0 +1,23 @@
+"""The names of the replay and correction options, and which routing replay a config runs (``replay.name`` with
+``auto`` resolved against the rollout)."""
+
+from __future__ import annotations
+
+REPLAY_NAMES = ("auto", "none", "r2", "r3")
+# the options of r3rl.train.correction
+CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
+
+
+def replay_mode(cfg) -> str:
+    """``none``, ``r2`` or ``r3``. ``auto`` is ``r3`` when the engines return routed experts
+    (``rollout.routing_replay``, rollout=vllm_r3) and ``none`` otherwise."""
+    name = cfg.replay.name
+    if name == "auto":
+        return "r3" if cfg.rollout.routing_replay else "none"
+    return name
+
+
+def unreplayed_pass_due(cfg, step: int) -> bool:
+    """R3 only: whether step ``step`` (from 1) runs the paired unreplayed log-prob pass (``replay.no_replay_every``;
+    step 1 always does)."""
+    return replay_mode(cfg) == "r3" and (step - 1) % cfg.replay.no_replay_every == 0
