@@ -31,8 +31,11 @@ import numpy as np
 
 ArrayRows = Union[Sequence[np.ndarray], np.ndarray]
 
-# Each prefix has its own step axis (``<prefix>/step``); the W&B logger defines them from this table.
-PREFIXES: tuple[str, ...] = ("train", "rollout", "r3", "perf")
+# Each prefix has its own step axis (``<prefix>/step``); the W&B logger defines them from this table. A training
+# step logs the first four; ``eval/`` points (``r3rl.eval``) come before the first step, every run.eval_every steps
+# and at the end, on the same step numbers.
+STEP_PREFIXES: tuple[str, ...] = ("train", "rollout", "r3", "perf")
+PREFIXES: tuple[str, ...] = (*STEP_PREFIXES, "eval")
 STEP_AXES: dict[str, str] = {prefix: f"{prefix}/step" for prefix in PREFIXES}
 
 LOGPROB_ABS_DIFF = "train/logprob_abs_diff"

@@ -102,7 +102,7 @@ def test_step_metrics_assembles_every_prefix_with_prior_art_names():
     assert out["perf/tokens_per_s"] == pytest.approx(20 / 4.0)  # (2 + 5 + 3 + 10) tokens over 4 s
     assert out["perf/rollout_tokens_per_s"] == pytest.approx(7 / 2.0)
     assert {"train/token_mult_prob_error", "train/k3_kl"} <= set(out)
-    assert {k.split("/", 1)[0] for k in out} == set(M.PREFIXES)
+    assert {k.split("/", 1)[0] for k in out} == set(M.STEP_PREFIXES)
 
 
 def test_step_metrics_without_replay_logs_the_same_figure_twice():

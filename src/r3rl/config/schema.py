@@ -28,6 +28,9 @@ def freeze(node: Any) -> Any:
         for value in vars(node).values():
             freeze(value)
         object.__setattr__(node, "_frozen", True)
+    elif isinstance(node, dict):  # named entries such as eval.sets
+        for value in node.values():
+            freeze(value)
     return node
 
 
@@ -183,6 +186,26 @@ class DataConfig(Frozen):
 
 
 @dataclass
+class EvalSetConfig(Frozen):
+    path: str = MISSING
+    generate_if_missing: bool = False
+    num_generated_prompts: int = 8
+    seed: int = 4242
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    apply_chat_template: bool = True
+    n_samples_per_prompt: int = 4
+    reward: str = "math"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class EvalConfig(Frozen):
+    name: str = MISSING
+    sets: dict[str, EvalSetConfig] = field(default_factory=dict)
+
+
+@dataclass
 class WandbConfig(Frozen):
     project: str = "r3rl"
     entity: Optional[str] = None
@@ -219,6 +242,7 @@ class RunConfig(Frozen):
     output_dir: str = MISSING
     data_dir: str = MISSING
     save_every: int = 10
+    eval_every: int = 10
     resume: bool = True
 
 
@@ -231,6 +255,7 @@ class R3RLConfig(Frozen):
     trainer: TrainerConfig = MISSING
     algorithm: GRPOConfig = MISSING
     data: DataConfig = MISSING
+    eval: EvalConfig = MISSING
     logger: LoggerConfig = MISSING
     ray: RayConfig = field(default_factory=RayConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -243,5 +268,6 @@ GROUP_SCHEMAS: dict[str, type] = {
     "trainer": TrainerConfig,
     "algorithm": GRPOConfig,
     "data": DataConfig,
+    "eval": EvalConfig,
     "logger": LoggerConfig,
 }

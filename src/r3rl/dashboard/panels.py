@@ -34,6 +34,8 @@ PANELS: tuple[Panel, ...] = (
           keys=(M.ROUTING_FLIP_RATE,), pattern=r"r3/routing_flip_rate/layer_\d+", y_label="share of tokens"),
     Panel("Token mult prob error (NeMo-RL)", M.STEP_AXES["train"], keys=(M.TOKEN_MULT_PROB_ERROR,),
           y_label="mean exp(|log-prob diff|)"),
+    Panel("Eval accuracy (held-out sets): avg@k and pass@k", M.STEP_AXES["eval"],
+          pattern=r"eval/.+/(avg|pass)@\d+", y_label="share correct"),
     Panel("Reward", M.STEP_AXES["rollout"], keys=(M.REWARD_MEAN,), y_label="mean reward"),
     Panel("Perf: time per stage", M.STEP_AXES["perf"], keys=(M.PERF_STEP_TIME,), pattern=r"perf/.+_time_s",
           y_label="seconds"),
