@@ -47,3 +47,15 @@ def test_set_metrics_needs_k_samples_per_prompt():
     with pytest.raises(ValueError, match="k=2"):
         set_metrics("arith", 2, rewards=[1.0, 0.0, 1.0], groups=[0, 0, 1], lengths=[1, 1, 1],
                     truncated=[False] * 3)
+
+
+def test_run_summary_lists_each_sets_eval_figures_with_baseline_and_last_point():
+    from r3rl.tracking.summary import summarize
+
+    history = [{"_step": 0, "eval/arith/avg@2": 0.25, "eval/arith/pass@2": 0.5, "perf/eval_time_s": 1.0},
+               {"_step": 1, "train/logprob_abs_diff": 0.1},
+               {"_step": 2, "train/logprob_abs_diff": 0.2, "eval/arith/avg@2": 0.5, "eval/arith/pass@2": 1.0}]
+    stats = summarize(history)
+    assert stats["eval/arith/avg@2"]["first"] == 0.25 and stats["eval/arith/avg@2"]["last"] == 0.5
+    assert stats["eval/arith/pass@2"]["steps"] == 2
+    assert stats["train/logprob_abs_diff"]["steps"] == 2
