@@ -80,7 +80,8 @@ def print_summary(history: Sequence[Mapping[str, Any]], console: Console | None 
     """Print the key metrics of ``history`` (rows of one step each, as ``WandbLogger.history`` or ``read_run``
     give them) as a rich table, and return the table."""
     stats = summarize(history)
-    table = Table(title=f"{title} ({len(history)} steps)")
+    trained = sum(1 for row in history if any(k in row for k in KEY_METRICS))  # not the eval baseline (step 0)
+    table = Table(title=f"{title} ({trained} steps)")
     table.add_column("metric", style="bold")
     for col in ("steps", "first", "last", "mean", "min", "max"):
         table.add_column(col, justify="right")
