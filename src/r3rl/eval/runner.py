@@ -50,9 +50,7 @@ class Evaluator:
         started = time.perf_counter()
         values: dict[str, float] = {}
         for s in self.sets:
-            self.console.print(f"eval {s.name} at step {step}: {len(s.prompts)} prompts x "
-                               f"{s.cfg.n_samples_per_prompt} samples")
-            samples = asyncio.run(self._generate(s, stop))
+            samples = asyncio.run(self._generate(s, step, stop))
             if any(x.status == SampleStatus.ABORTED for x in samples):
                 raise EngineError(f"eval {s.name} at step {step}: the engine aborted samples")
             texts = [self.tokenizer.decode(x.response_ids, skip_special_tokens=True) for x in samples]
@@ -61,13 +59,17 @@ class Evaluator:
                 rewards=[s.score(t, x.label) for t, x in zip(texts, samples)],
                 groups=[x.group for x in samples], lengths=[x.response_length for x in samples],
                 truncated=[x.status == SampleStatus.TRUNCATED for x in samples]))
+            k = s.cfg.n_samples_per_prompt
+            self.console.print(f"eval {s.name} at step {step}: avg@{k} {values[f'eval/{s.name}/avg@{k}']:.3f}, "
+                               f"pass@{k} {values[f'eval/{s.name}/pass@{k}']:.3f} ({len(s.prompts)} prompts x {k})")
         values[EVAL_TIME] = time.perf_counter() - started
         return values
 
-    async def _generate(self, s: EvalSet, stop: Callable[[], bool]):
+    async def _generate(self, s: EvalSet, step: int, stop: Callable[[], bool]):
         task = asyncio.create_task(self.client.generate(
             [list(map(int, p.prompt_ids)) for p in s.prompts], s.cfg.n_samples_per_prompt, s.cfg.sampling,
-            step=_SEED_STEP, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in s.prompts]))
+            step=_SEED_STEP, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in s.prompts],
+            progress_label=f"eval {s.name} (weights of step {step})"))
         while not task.done():
             if stop():
                 task.cancel()
