@@ -42,7 +42,8 @@ def set_metrics(name: str, k: int, rewards: Sequence[float], groups: Sequence[in
     prompts = np.unique(g)
     per_prompt = [r[g == p] for p in prompts]
     if any(len(x) != k for x in per_prompt):
-        raise ValueError(f"eval set {name}: every prompt needs k={k} samples, got {sorted({len(x) for x in per_prompt})}")
+        counts = sorted({len(x) for x in per_prompt})
+        raise ValueError(f"eval set {name}: every prompt needs k={k} samples, got {counts}")
     means = np.asarray([x.mean() for x in per_prompt])
     keys = metric_keys(name, k)
     return {
