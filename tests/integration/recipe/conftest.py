@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 # a quarter of the default run's step (16 samples, not 64): these tests check behaviour, not the figures
 SMALL_STEP = ("algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4")
-# an eval point of 4 held-out prompts x 2 samples (the default: 8 x 4)
+# an eval point of 4 held-out prompts x 2 samples (the default: 8 x 2)
 SMALL_EVAL = ("eval.sets.arithmetic.num_generated_prompts=4", "eval.sets.arithmetic.n_samples_per_prompt=2")
 EVAL_KEYS = ("eval/arithmetic/avg@2", "eval/arithmetic/pass@2", "eval/arithmetic/response_length_mean",
              "eval/arithmetic/truncated_share", "perf/eval_time_s")
