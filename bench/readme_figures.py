@@ -52,6 +52,7 @@ def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
     from r3rl.tracking.summary import REPLAY_RATIO, summarize
 
     alg, sampling = cfg.algorithm, cfg.rollout.sampling
+    history = [row for row in history if M.LOGPROB_ABS_DIFF in row]  # the eval baseline (step 0) trains nothing
     samples = alg.rollout_batch_size * alg.n_samples_per_prompt
     tokens = [row[M.RESPONSE_LENGTH_MEAN] * samples for row in history]
     stats = summarize(history)

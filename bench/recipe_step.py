@@ -27,7 +27,7 @@ def run(rollout: str, steps: int, out_dir: str, overrides: list[str]) -> list[di
     from recipes.grpo import GRPORecipe
 
     cfg = compose(["parallelism=cpu", f"rollout={rollout}", f"run.num_steps={steps}", f"run.output_dir={out_dir}",
-                   "run.save_every=1000", "logger.wandb.mode=disabled", *overrides])
+                   "run.save_every=1000", "run.eval_every=0", "logger.wandb.mode=disabled", *overrides])
     recipe = GRPORecipe(cfg)
     try:
         recipe.setup()

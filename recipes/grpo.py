@@ -30,6 +30,8 @@ from r3rl.dashboard.local import write_comparison
 from r3rl.data.arithmetic import ensure_prompts
 from r3rl.data.dataset import PromptDataset
 from r3rl.data.reward import shaped_math_reward
+from r3rl.eval.runner import EvalInterrupted, Evaluator
+from r3rl.eval.sets import eval_due, load_sets
 from r3rl.models.tiny_moe import ensure_checkpoint
 from r3rl.orchestration.groups import EngineGroup, TrainerGroup
 from r3rl.orchestration.ray_cluster import start_or_attach
@@ -67,6 +69,7 @@ class GRPORecipe:
         self.colocated = self.plan.placement.colocated
         self.engines_asleep = False
         self.stop = False
+        self.unlogged: dict[str, float] | None = None  # a step's metrics whose eval point SIGTERM interrupted
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -82,11 +85,13 @@ class GRPORecipe:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
+        eval_sets = load_sets(cfg, self.tokenizer) if cfg.run.eval_every > 0 else []
         resume_from = checkpoint.latest(self.run_dir) if cfg.run.resume else None
         meta = checkpoint.read_meta(resume_from) if resume_from else None
         if meta is not None:
             self.dataset.load_state_dict(meta.data_state)
         self.start_step = (meta.step if meta else 0) + 1
+        self.unlogged = meta.unlogged_metrics if meta else None
 
         self.cluster = start_or_attach(cfg, self.plan)
         with console.status("starting trainer ranks"):
@@ -96,6 +101,7 @@ class GRPORecipe:
         with console.status(f"starting {len(self.plan.engines) or 1} vLLM engine(s)"):
             self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
         self.client = RolloutClient.from_config(cfg, self.engines.urls)
+        self.evaluator = Evaluator.from_config(cfg, eval_sets, self.engines.urls, self.tokenizer, console)
         if self.plan.attach_url:
             # launched engines were checked at start; an attached one is checked against this config here
             self.client.check_engines_sync()
@@ -128,6 +134,7 @@ class GRPORecipe:
     def train(self) -> None:
         cfg = self.cfg
         batches = self.dataset.batches(cfg.algorithm.rollout_batch_size)
+        self.eval_before_training()
         with Progress(TextColumn("[bold]GRPO step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
             task = bar.add_task("steps", total=cfg.run.num_steps, completed=self.start_step - 1)
@@ -234,6 +241,34 @@ class GRPORecipe:
         if self.replay_mode == "r2":
             values[M.R2_REPLAY_MISMATCH_ROWS] = float(train_out["replay_mismatch_rows"])
             values[M.R2_REPLAYED_ROWS] = float(train_out["replayed_rows"])
+        self.log_with_eval(step, values)
+
+    # ------------------------------------------------------------------ eval
+    def eval_before_training(self) -> None:
+        """The baseline (weights before any step), or the eval point SIGTERM interrupted before the checkpoint this
+        run resumed from; each is logged once, at its step."""
+        if self.start_step == 1 and eval_due(self.cfg, 0):
+            self.log_with_eval(0, {})
+        elif self.unlogged is not None:
+            step = self.start_step - 1
+            console.print(f"redoing the eval of step {step} that SIGTERM interrupted")
+            self.log_with_eval(step, self.unlogged)
+            folder = checkpoint.latest(self.run_dir)
+            checkpoint.update_meta(folder, dataclasses.replace(checkpoint.read_meta(folder), unlogged_metrics=None))
+        if self.unlogged is not None:  # interrupted again: the checkpoint still holds them
+            raise StopRequested(self.start_step - 1)
+
+    def log_with_eval(self, step: int, values: dict[str, float]) -> None:
+        """Log ``step``'s metrics, with its eval point when one is due; an interrupted eval keeps them unlogged
+        (``self.unlogged``) for the checkpoint, so the resumed run logs the step once, eval included."""
+        self.unlogged = None
+        if eval_due(self.cfg, step):
+            try:
+                values = {**values, **self.evaluator.evaluate(step, stop=lambda: self.stop)}
+            except EvalInterrupted:
+                console.print(f"[yellow]SIGTERM: eval of step {step} abandoned; it is redone after resume[/]")
+                self.unlogged = dict(values)
+                return
         self.logger.log(values, step=step)
         self.history.append({"step": step, **values})
 
@@ -283,7 +318,8 @@ class GRPORecipe:
     # ------------------------------------------------------------------ save / cleanup
     def save(self, step: int) -> Path:
         meta = checkpoint.CheckpointMeta(step=step, wandb_run_id=self.logger.run_id if self.logger else None,
-                                         data_state=self.dataset.state_dict(), weight_version=step)
+                                         data_state=self.dataset.state_dict(), weight_version=step,
+                                         unlogged_metrics=self.unlogged)
         folder = checkpoint.save(self.run_dir, meta, lambda d: self.trainers.call("save_checkpoint", d / "trainer", {}))
         return folder
 

@@ -24,6 +24,9 @@ class CheckpointMeta:
     wandb_run_id: str | None = None
     data_state: dict[str, Any] = field(default_factory=dict)
     weight_version: int = 0
+    # the metrics of ``step`` not yet logged because SIGTERM interrupted its eval point: the resumed run redoes the
+    # eval with these weights and logs both once
+    unlogged_metrics: dict[str, float] | None = None
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -69,6 +72,13 @@ def latest(run_dir: Path) -> Path | None:
 
 def read_meta(folder: Path) -> CheckpointMeta:
     return CheckpointMeta(**json.loads((folder / META).read_text()))
+
+
+def update_meta(folder: Path, meta: CheckpointMeta) -> None:
+    """Replace a checkpoint's meta.json atomically (the trainer state stays as it is)."""
+    tmp = Path(folder) / f".{META}.tmp"
+    tmp.write_text(json.dumps(asdict(meta), indent=2))
+    os.replace(tmp, Path(folder) / META)
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -37,8 +37,11 @@ import numpy as np
 
 ArrayRows = Union[Sequence[np.ndarray], np.ndarray]
 
-# Each prefix has its own step axis (``<prefix>/step``); the W&B logger defines them from this table.
-PREFIXES: tuple[str, ...] = ("train", "rollout", "r3", "r2", "rollout_corr", "perf")
+# Each prefix has its own step axis (``<prefix>/step``); the W&B logger defines them from this table. A training
+# step logs the first six (r2/ under R2 only, r3/ under R3 only); ``eval/`` points (``r3rl.eval``) come before the
+# first step, every run.eval_every steps and at the end, on the same step numbers.
+STEP_PREFIXES: tuple[str, ...] = ("train", "rollout", "r3", "r2", "rollout_corr", "perf")
+PREFIXES: tuple[str, ...] = (*STEP_PREFIXES, "eval")
 STEP_AXES: dict[str, str] = {prefix: f"{prefix}/step" for prefix in PREFIXES}
 
 LOGPROB_ABS_DIFF = "train/logprob_abs_diff"

@@ -102,8 +102,8 @@ def test_step_metrics_assembles_every_prefix_with_prior_art_names():
     assert out["perf/tokens_per_s"] == pytest.approx(20 / 4.0)  # (2 + 5 + 3 + 10) tokens over 4 s
     assert out["perf/rollout_tokens_per_s"] == pytest.approx(7 / 2.0)
     assert {"train/token_mult_prob_error", "train/k3_kl"} <= set(out)
-    # rollout_corr/ comes from r3rl.train.correction, r2/ from R2's training forwards
-    assert {k.split("/", 1)[0] for k in out} == set(M.PREFIXES) - {"r2", "rollout_corr"}
+    # rollout_corr/ comes from r3rl.train.correction, r2/ from R2's training forwards, eval/ from r3rl.eval
+    assert {k.split("/", 1)[0] for k in out} == set(M.STEP_PREFIXES) - {"r2", "rollout_corr"}
 
 
 def test_step_metrics_without_replay_logs_the_same_figure_twice():

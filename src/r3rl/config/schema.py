@@ -28,6 +28,9 @@ def freeze(node: Any) -> Any:
         for value in vars(node).values():
             freeze(value)
         object.__setattr__(node, "_frozen", True)
+    elif isinstance(node, dict):  # named entries such as eval.sets
+        for value in node.values():
+            freeze(value)
     return node
 
 
@@ -201,6 +204,26 @@ class DataConfig(Frozen):
 
 
 @dataclass
+class EvalSetConfig(Frozen):
+    path: str = MISSING
+    generate_if_missing: bool = False
+    num_generated_prompts: int = 8
+    seed: int = 4242
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    apply_chat_template: bool = True
+    n_samples_per_prompt: int = 4
+    reward: str = "math"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class EvalConfig(Frozen):
+    name: str = MISSING
+    sets: dict[str, EvalSetConfig] = field(default_factory=dict)
+
+
+@dataclass
 class WandbConfig(Frozen):
     project: str = "r3rl"
     entity: Optional[str] = None
@@ -237,6 +260,7 @@ class RunConfig(Frozen):
     output_dir: str = MISSING
     data_dir: str = MISSING
     save_every: int = 10
+    eval_every: int = 10
     resume: bool = True
 
 
@@ -251,6 +275,7 @@ class R3RLConfig(Frozen):
     replay: ReplayConfig = MISSING
     correction: CorrectionConfig = MISSING
     data: DataConfig = MISSING
+    eval: EvalConfig = MISSING
     logger: LoggerConfig = MISSING
     ray: RayConfig = field(default_factory=RayConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -265,5 +290,6 @@ GROUP_SCHEMAS: dict[str, type] = {
     "replay": ReplayConfig,
     "correction": CorrectionConfig,
     "data": DataConfig,
+    "eval": EvalConfig,
     "logger": LoggerConfig,
 }

@@ -279,6 +279,11 @@ def validate(cfg: R3RLConfig) -> None:
     check(par.gpu_memory_gib is None or par.gpu_memory_gib > 0, "parallelism.gpu_memory_gib",
           f"must be null or > 0, got {par.gpu_memory_gib}")
 
+    # eval sets, their files included: a malformed record is named by file and line here, before launch
+    from r3rl.eval.sets import eval_problems
+
+    problems.extend(eval_problems(cfg))
+
     if problems:
         raise ConfigError(problems)
     problems.extend(memory_problems(cfg))

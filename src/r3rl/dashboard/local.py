@@ -18,6 +18,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from r3rl import metrics as M  # noqa: E402
+from r3rl.dashboard.eval_table import mismatch_and_eval  # noqa: E402
 from r3rl.dashboard.panels import PANELS, Panel  # noqa: E402
 from r3rl.dashboard.report import RUNSET_NAMES  # noqa: E402
 from r3rl.tracking.offline_reader import OfflineRun  # noqa: E402
@@ -131,6 +132,12 @@ def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] =
             f"<td>{e(', '.join(str(f) for f in r.files))}</td></tr>"
         )
     parts.append("</table>")
+    rows = mismatch_and_eval(runs)
+    if rows:
+        parts += ["<h2>Mismatch and eval accuracy side by side</h2>", "<table><tr><th>figure</th>"]
+        parts += [f"<th>{e(run_label(r))}</th>" for r in runs] + ["</tr>"]
+        parts += [f"<tr><td>{e(label)}</td>{''.join(f'<td>{e(c)}</td>' for c in cells)}</tr>" for label, cells in rows]
+        parts.append("</table>")
     for panel in panels:
         parts += [f"<h2>{e(panel.title)}</h2>", _panel_svg(panel, runs)]
     stats = [summarize(r.history) for r in runs]

@@ -39,6 +39,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("Rollout correction: dropped and extreme tokens", M.STEP_AXES["rollout_corr"],
           keys=(M.ROLLOUT_RS_MASKED_FRACTION, M.ROLLOUT_IS_FRACTION_HIGH, M.ROLLOUT_IS_FRACTION_LOW,
                 M.EXTREME_TOKEN_FRACTION), y_label="share of tokens"),
+    Panel("Eval accuracy (held-out sets): avg@k and pass@k", M.STEP_AXES["eval"],
+          pattern=r"eval/.+/(avg|pass)@\d+", y_label="share correct"),
     Panel("Reward", M.STEP_AXES["rollout"], keys=(M.REWARD_MEAN,), y_label="mean reward"),
     Panel("Perf: time per stage", M.STEP_AXES["perf"], keys=(M.PERF_STEP_TIME,), pattern=r"perf/.+_time_s",
           y_label="seconds"),

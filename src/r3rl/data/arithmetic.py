@@ -19,19 +19,42 @@ _OPS = ("+", "-", "*")
 PROMPT_TEMPLATE = "What is {a} {op} {b}? Think step by step and put the final answer in \\boxed{{}}."
 
 
+def draw_problem(rng: random.Random) -> dict[str, str]:
+    """One problem as ``{"prompt": ..., "label": ...}``; products stay small (operands up to 20)."""
+    op = rng.choice(_OPS)
+    hi = 20 if op == "*" else 99
+    a, b = rng.randint(0, hi), rng.randint(0, hi)
+    answer = a + b if op == "+" else a - b if op == "-" else a * b
+    return {"prompt": PROMPT_TEMPLATE.format(a=a, op=op, b=b), "label": str(answer)}
+
+
 def generate_problems(num: int, seed: int) -> list[dict[str, str]]:
-    """``num`` problems as ``{"prompt": ..., "label": ...}``; products stay small (operands up to 20)."""
+    """``num`` problems drawn from ``seed`` (repeats possible, as in any sample of the problem space)."""
     if num <= 0:
         raise ValueError(f"data.num_generated_prompts={num}: must be positive to generate prompts")
     rng = random.Random(seed)
-    out = []
-    for _ in range(num):
-        op = rng.choice(_OPS)
-        hi = 20 if op == "*" else 99
-        a, b = rng.randint(0, hi), rng.randint(0, hi)
-        answer = a + b if op == "+" else a - b if op == "-" else a * b
-        out.append({"prompt": PROMPT_TEMPLATE.format(a=a, op=op, b=b), "label": str(answer)})
-    return out
+    return [draw_problem(rng) for _ in range(num)]
+
+
+def generate_heldout(num: int, seed: int, exclude: Iterable[str]) -> list[dict[str, str]]:
+    """``num`` distinct problems drawn like the training prompts, none of whose prompt text is in ``exclude``.
+
+    Drawing from the same distribution keeps the held-out split comparable; excluding by prompt text (not by seed)
+    holds whatever file the training prompts came from.
+    """
+    if num <= 0:
+        raise ValueError(f"num_generated_prompts={num}: must be positive to generate prompts")
+    taken = set(exclude)
+    rng = random.Random(seed)
+    out: list[dict[str, str]] = []
+    for _ in range(1000 * num):  # the space holds ~21k problems: only a near-exhaustive training set runs out
+        problem = draw_problem(rng)
+        if problem["prompt"] not in taken:
+            taken.add(problem["prompt"])
+            out.append(problem)
+            if len(out) == num:
+                return out
+    raise ValueError(f"could draw only {len(out)} of {num} arithmetic problems outside the training prompts")
 
 
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike, *, prompt_key: str = "prompt",

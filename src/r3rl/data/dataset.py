@@ -39,7 +39,7 @@ class Prompt:
     label: str
 
 
-def _messages(value: Any, where: str, key: str) -> list[dict[str, str]] | str:
+def _messages(value: Any, where: str, key: str, config_key: str) -> list[dict[str, str]] | str:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(
@@ -48,15 +48,47 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]] | str:
         return value
     raise DataError(
         f"{where}: '{key}' must be a string or a non-empty list of {{'role', 'content'}} messages, "
-        f"got {type(value).__name__} (data.prompt_key={key})"
+        f"got {type(value).__name__} ({config_key}.prompt_key={key})"
     )
+
+
+def read_prompt_rows(path: Path, pkey: str, lkey: str,
+                     config_key: str = "data") -> list[tuple[int, list[dict[str, str]] | str, str]]:
+    """(line, prompt, label) of every record of a JSONL prompt file; a bad record raises DataError naming the file,
+    the line and the ``<config_key>.*_key`` to check. Needs no tokenizer, so configs are checked before launch."""
+    rows = []
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            for key, cfg_key in ((pkey, f"{config_key}.prompt_key"), (lkey, f"{config_key}.label_key")):
+                if key not in obj:
+                    raise DataError(
+                        f"{where}: no key '{key}' ({cfg_key}={key}); the line has {sorted(obj)}. "
+                        f"Set {cfg_key} to the key that holds it."
+                    )
+            label = obj[lkey]
+            if isinstance(label, (dict, list)) or label is None:
+                raise DataError(f"{where}: '{lkey}' must be a string or a number ({config_key}.label_key={lkey})")
+            rows.append((lineno, _messages(obj[pkey], where, pkey, config_key), str(label)))
+    if not rows:
+        raise DataError(f"{path}: no prompts (the file is empty)")
+    return rows
 
 
 class PromptDataset:
     """The prompts of ``data_cfg.path`` tokenised with ``tokenizer``, and a resumable batch sampler over them."""
 
-    def __init__(self, data_cfg: DataConfig, tokenizer: Any) -> None:
+    def __init__(self, data_cfg: DataConfig, tokenizer: Any, config_key: str = "data") -> None:
         self.cfg = data_cfg
+        self.config_key = config_key  # where the keys live in the config (eval sets: eval.sets.<name>)
         self.path = Path(data_cfg.path)
         self.tokenizer = tokenizer
         self.num_dropped = 0
@@ -68,34 +100,9 @@ class PromptDataset:
 
     def _read(self) -> list[tuple[int, list[dict[str, str]] | str, str]]:
         if not self.path.is_file():
-            raise FileNotFoundError(f"data.path={self.cfg.path}: no such file (r3rl.data.ensure_prompts generates "
-                                    f"the arithmetic set when data.generate_if_missing=true)")
-        pkey, lkey = self.cfg.prompt_key, self.cfg.label_key
-        rows = []
-        with self.path.open(encoding="utf-8") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                where = f"{self.path}:{lineno}"
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(obj, dict):
-                    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-                for key, cfg_key in ((pkey, "data.prompt_key"), (lkey, "data.label_key")):
-                    if key not in obj:
-                        raise DataError(
-                            f"{where}: no key '{key}' ({cfg_key}={key}); the line has {sorted(obj)}. "
-                            f"Set {cfg_key} to the key that holds it."
-                        )
-                label = obj[lkey]
-                if isinstance(label, (dict, list)) or label is None:
-                    raise DataError(f"{where}: '{lkey}' must be a string or a number (data.label_key={lkey})")
-                rows.append((lineno, _messages(obj[pkey], where, pkey), str(label)))
-        if not rows:
-            raise DataError(f"{self.path}: no prompts (the file is empty)")
-        return rows
+            raise FileNotFoundError(f"{self.config_key}.path={self.cfg.path}: no such file (r3rl.data.ensure_prompts "
+                                    f"generates the arithmetic set when data.generate_if_missing=true)")
+        return read_prompt_rows(self.path, self.cfg.prompt_key, self.cfg.label_key, self.config_key)
 
     def _render(self, lineno: int, prompt: list[dict[str, str]] | str) -> str:
         if self.cfg.apply_chat_template:

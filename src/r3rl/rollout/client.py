@@ -33,9 +33,9 @@ OnAbort = Literal["regenerate", "drop"]
 _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
 
 
-def rollout_bar(total: int, step: int, *, enabled: bool, file=None) -> tqdm:
+def rollout_bar(total: int, step: int, *, enabled: bool, file=None, desc: str | None = None) -> tqdm:
     """The progress bar of one rollout: samples done out of ``total``, no extrapolation."""
-    return tqdm(total=total, desc=f"rollout step {step}", unit="sample", disable=not enabled, leave=False,
+    return tqdm(total=total, desc=desc or f"rollout step {step}", unit="sample", disable=not enabled, leave=False,
                 bar_format=_BAR_FORMAT, file=file)
 
 
@@ -73,9 +73,10 @@ class RolloutClient:
     # -- generation ---------------------------------------------------------------------------------------------
     async def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *, step: int = 0,
                        stop_token_ids: Sequence[int] | None = None, labels: Sequence[str | None] | None = None,
-                       max_tokens: Sequence[int] | None = None) -> list[Sample]:
+                       max_tokens: Sequence[int] | None = None, progress_label: str | None = None) -> list[Sample]:
         """``n`` samples per prompt; sample ``i = prompt * n + j`` has ``group = prompt`` and seed
-        ``sampling.seed + step * 100003 + i``. ``max_tokens`` optionally caps each prompt separately."""
+        ``sampling.seed + step * 100003 + i``. ``max_tokens`` optionally caps each prompt separately;
+        ``progress_label`` names the progress bar (default ``rollout step <step>``)."""
         if labels is not None and len(labels) != len(prompts):
             raise ValueError(f"labels: expected {len(prompts)} (one per prompt), got {len(labels)}")
         if max_tokens is not None and len(max_tokens) != len(prompts):
@@ -86,7 +87,7 @@ class RolloutClient:
         timeout = httpx.Timeout(self.request_timeout_s, connect=30.0)
         clients = {u: httpx.AsyncClient(base_url=u, limits=limits, timeout=timeout) for u in self.urls}
         gates = {u: asyncio.Semaphore(self.max_concurrency) for u in self.urls}
-        bar = rollout_bar(len(prompts) * n, step, enabled=self.progress)
+        bar = rollout_bar(len(prompts) * n, step, enabled=self.progress, desc=progress_label)
 
         async def one(index: int, group: int) -> Sample | None:
             url = self.urls[group % len(self.urls)]

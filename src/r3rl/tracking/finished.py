@@ -24,8 +24,10 @@ def finished_step(cfg: R3RLConfig) -> int | None:
     folder = checkpoint.latest(Path(cfg.run.output_dir))
     if folder is None:
         return None
-    step = checkpoint.read_meta(folder).step
-    return step if step >= cfg.run.num_steps else None
+    meta = checkpoint.read_meta(folder)
+    if meta.unlogged_metrics is not None:  # SIGTERM interrupted the last step's eval: the relaunch redoes it
+        return None
+    return meta.step if meta.step >= cfg.run.num_steps else None
 
 
 def report_finished(cfg: R3RLConfig, step: int, console: Console | None = None) -> None:

@@ -8,6 +8,7 @@ sqrt(sum of squared per-step errors) / steps).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,14 @@ KEY_METRICS: tuple[str, ...] = (
     M.PERF_TOKENS_PER_S,
 )
 REPLAY_RATIO = "logprob_abs_diff replay / no replay"
+# the eval figures of every set a run logged (eval/<set>/avg@k, pass@k, truncated_share), after the key metrics
+_EVAL_KEY = re.compile(r"eval/.+/((avg|pass)@\d+|truncated_share)")
+
+
+def key_metrics(history: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """``KEY_METRICS`` and the eval figures present in ``history``."""
+    evals = sorted({k for row in history for k in row if _EVAL_KEY.fullmatch(k)})
+    return (*KEY_METRICS, *evals)
 
 
 def _fmt(x: float) -> str:
@@ -34,11 +43,12 @@ def fmt_cell(stats: Mapping[str, float], col: str) -> str:
     return _fmt(stats[col]) if se is None else f"{_fmt(stats[col])} ± {_fmt(se)}"
 
 
-def summarize(history: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEY_METRICS) -> dict[str, dict[str, float]]:
+def summarize(history: Sequence[Mapping[str, Any]],
+              keys: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     """Per key metric present in ``history``: steps, first, last, mean, min, max (NaN steps left out of the stats),
     and for a figure with a standard error ``first_stderr``, ``last_stderr`` and ``mean_stderr``."""
     out: dict[str, dict[str, float]] = {}
-    for key in keys:
+    for key in key_metrics(history) if keys is None else keys:
         rows = [row for row in history if key in row]
         values = [float(row[key]) for row in rows]
         finite = [v for v in values if not math.isnan(v)]
@@ -70,7 +80,8 @@ def print_summary(history: Sequence[Mapping[str, Any]], console: Console | None 
     """Print the key metrics of ``history`` (rows of one step each, as ``WandbLogger.history`` or ``read_run``
     give them) as a rich table, and return the table."""
     stats = summarize(history)
-    table = Table(title=f"{title} ({len(history)} steps)")
+    trained = sum(1 for row in history if any(k in row for k in KEY_METRICS))  # not the eval baseline (step 0)
+    table = Table(title=f"{title} ({trained} steps)")
     table.add_column("metric", style="bold")
     for col in ("steps", "first", "last", "mean", "min", "max"):
         table.add_column(col, justify="right")

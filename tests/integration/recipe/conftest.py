@@ -19,11 +19,15 @@ REPO = Path(__file__).resolve().parents[3]
 
 # a quarter of the default run's step (16 samples, not 64): these tests check behaviour, not the figures
 SMALL_STEP = ("algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4")
+# an eval point of 4 held-out prompts x 2 samples (the default: 8 x 2)
+SMALL_EVAL = ("eval.sets.arithmetic.num_generated_prompts=4", "eval.sets.arithmetic.n_samples_per_prompt=2")
+EVAL_KEYS = ("eval/arithmetic/avg@2", "eval/arithmetic/pass@2", "eval/arithmetic/response_length_mean",
+             "eval/arithmetic/truncated_share", "perf/eval_time_s")
 
 
 def recipe_cmd(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}",
-            f"rollout.engine.base_port={free_port()}", *SMALL_STEP, *overrides]
+            f"rollout.engine.base_port={free_port()}", *SMALL_STEP, *SMALL_EVAL, *overrides]
 
 
 def run_recipe(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -112,10 +116,10 @@ HALF_BATCH = "algorithm.global_batch_size=8"
 
 @pytest.fixture(scope="session")
 def r3_run(tmp_path_factory, tiny_model_dir) -> Path:
-    """The default recipe (tiny MoE, R3, bf16 engine vs fp32 trainer) for 2 steps, with token-level TIS and two
-    optimizer steps per rollout batch."""
+    """The default recipe (tiny MoE, R3, bf16 engine vs fp32 trainer) for 2 steps, evaluated at 0, 1 and 2, with
+    token-level TIS and two optimizer steps per rollout batch."""
     run_dir = tmp_path_factory.mktemp("r3_run")
-    out = run_recipe(run_dir, "run.num_steps=2", "correction=tis", HALF_BATCH)
+    out = run_recipe(run_dir, "run.num_steps=2", "run.eval_every=1", "correction=tis", HALF_BATCH)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return run_dir
 
@@ -125,7 +129,7 @@ def r2_run(tmp_path_factory, tiny_model_dir) -> Path:
     """R2 without routes from the engine (rollout=vllm), IcePop with the sequence gate, two optimizer steps per
     rollout batch, 2 steps."""
     run_dir = tmp_path_factory.mktemp("r2_run")
-    out = run_recipe(run_dir, "run.num_steps=2", "rollout=vllm", "replay=r2", "correction=icepop",
-                     "correction.seq_error_threshold=2.0", HALF_BATCH)
+    out = run_recipe(run_dir, "run.num_steps=2", "run.eval_every=0", "rollout=vllm", "replay=r2",
+                     "correction=icepop", "correction.seq_error_threshold=2.0", HALF_BATCH)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return run_dir

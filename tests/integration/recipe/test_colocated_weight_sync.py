@@ -31,7 +31,8 @@ def test_colocated_engine_serves_the_trainers_weights_after_a_step(tmp_path, com
     from recipes.grpo import GRPORecipe
 
     cfg = compose_cfg("parallelism=cpu", "parallelism.colocated=true", "parallelism.gpus_per_node=1",
-                      f"run.output_dir={tmp_path}", "run.num_steps=1", "rollout.engine.dtype=float32",
+                      f"run.output_dir={tmp_path}", "run.num_steps=1", "run.eval_every=0",
+                      "rollout.engine.dtype=float32",
                       "logger.wandb.mode=disabled", f"rollout.engine.base_port={free_port()}", *SMALL_STEP,
                       # a large step so one update visibly moves the log-probs
                       "trainer.lr=0.01")

@@ -12,7 +12,7 @@ import pytest
 from r3rl import checkpoint
 from r3rl import metrics as M
 
-from .conftest import (assert_nothing_left, pid_alive, run_recipe, start_recipe, wait_for, wandb_runs)
+from .conftest import (EVAL_KEYS, assert_nothing_left, pid_alive, run_recipe, start_recipe, wait_for, wandb_runs)
 
 pytestmark = pytest.mark.integration
 
@@ -23,11 +23,24 @@ EVERY_STEP = [M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DI
     [M.perf_time_key(s) for s in M.PERF_STAGES]
 
 
+def train_rows(run):
+    return [row for row in run.history if M.LOGPROB_ABS_DIFF in row]
+
+
 def test_default_recipe_logs_every_metric_every_step(r3_run):
     (run,) = wandb_runs(r3_run)
     steps = {row["_step"]: row for row in run.history}
-    assert sorted(steps) == [1, 2]
+    assert sorted(steps) == [0, 1, 2]
+    assert not any(k.startswith(("train/", "rollout/", "r3/")) for k in steps[0]), "step 0 is the eval baseline"
+    for step, row in steps.items():  # eval before the first step and after every step (run.eval_every=1)
+        missing = [k for k in EVAL_KEYS if k not in row]
+        assert not missing, f"step {step} lacks {missing}"
+        assert row["eval/step"] == step
+        assert 0.0 <= row["eval/arithmetic/avg@2"] <= row["eval/arithmetic/pass@2"] <= 1.0
+        assert 0.0 <= row["eval/arithmetic/truncated_share"] <= 1.0 and row["perf/eval_time_s"] > 0
     for step, row in steps.items():
+        if step == 0:
+            continue
         missing = [k for k in EVERY_STEP + [M.flip_rate_key(layer) for layer in range(4)] if k not in row]
         assert not missing, f"step {step} lacks {missing}"
         assert 0 < row[M.LOGPROB_ABS_DIFF_STDERR] < row[M.LOGPROB_ABS_DIFF]
@@ -62,13 +75,14 @@ def test_r2_runs_without_engine_routes_and_replays_the_trainers_own(r2_run):
 
 def test_replay_lowers_the_mismatch_on_the_same_batches(r3_run):
     (run,) = wandb_runs(r3_run)
-    with_replay = np.mean([row[M.LOGPROB_ABS_DIFF] for row in run.history])
-    without = np.mean([row[M.LOGPROB_ABS_DIFF_NO_REPLAY] for row in run.history])
+    rows = train_rows(run)
+    with_replay = np.mean([row[M.LOGPROB_ABS_DIFF] for row in rows])
+    without = np.mean([row[M.LOGPROB_ABS_DIFF_NO_REPLAY] for row in rows])
     assert with_replay < without, (with_replay, without)
     # every replayed (token, layer) was routed as the rollout's Sample says (checked from Megatron's side)
-    assert all(row[M.REPLAY_MISMATCH_ROWS] == 0.0 for row in run.history)
+    assert all(row[M.REPLAY_MISMATCH_ROWS] == 0.0 for row in rows)
     # without replay the trainer's router disagrees somewhere (bf16 engine vs fp32 trainer)
-    assert max(row[M.ROUTING_FLIP_RATE] for row in run.history) > 0
+    assert max(row[M.ROUTING_FLIP_RATE] for row in rows) > 0
 
 
 def test_run_leaves_checkpoint_and_nothing_running(r3_run):
@@ -91,8 +105,10 @@ def test_a_second_run_of_a_finished_run_starts_nothing(r3_run):
 
 
 def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, tiny_model_dir):
+    """SIGTERM during step 2 (after step 1's checkpoint): step 2 trains and is saved, its eval point is abandoned;
+    the resumed job redoes that eval on step 2's weights and logs every step and eval point once."""
     run_dir = tmp_path / "preempted"
-    proc = start_recipe(run_dir, "run.num_steps=3", "run.save_every=1")
+    proc = start_recipe(run_dir, "run.num_steps=3", "run.save_every=1", "run.eval_every=1")
     try:
         wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
         proc.send_signal(signal.SIGTERM)
@@ -100,23 +116,31 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, t
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    stopped_at = checkpoint.read_meta(checkpoint.latest(run_dir)).step
+    meta = checkpoint.read_meta(checkpoint.latest(run_dir))
+    stopped_at = meta.step
     assert 1 <= stopped_at < 3
+    assert meta.unlogged_metrics and M.LOGPROB_ABS_DIFF in meta.unlogged_metrics, "the stopped step's eval point " \
+        "was abandoned and its metrics wait in the checkpoint"
     assert_nothing_left(run_dir)
 
-    out = run_recipe(run_dir, "run.num_steps=3", "run.save_every=1")
+    out = run_recipe(run_dir, "run.num_steps=3", "run.save_every=1", "run.eval_every=1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from step {stopped_at}" in out.stdout
+    assert f"redoing the eval of step {stopped_at} that SIGTERM interrupted" in out.stdout
     runs = wandb_runs(run_dir)
     assert len({r.run_id for r in runs}) == 1, "the resumed job must continue the same W&B run"
     steps = sorted(row["_step"] for r in runs for row in r.history)
-    assert steps == [1, 2, 3], "each step logged once, across the two jobs"
+    assert steps == [0, 1, 2, 3], "each step logged once, across the two jobs"
+    rows = {row["_step"]: row for r in runs for row in r.history}
+    assert all(k in rows[s] for s in steps for k in EVAL_KEYS), "an eval point at every step"
+    assert all(M.LOGPROB_ABS_DIFF in rows[s] for s in (1, 2, 3))
+    assert checkpoint.read_meta(checkpoint.latest(run_dir)).unlogged_metrics is None
     assert_nothing_left(run_dir)
 
 
 def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "dead_engine"
-    proc = start_recipe(run_dir, "run.num_steps=4", "run.save_every=1")
+    proc = start_recipe(run_dir, "run.num_steps=4", "run.save_every=1", "run.eval_every=0")
     try:
         wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
         engine = json.loads((run_dir / "processes.json").read_text())["engines"][0]

@@ -31,7 +31,7 @@ def prefix_cache_hits(url: str) -> float:
 def test_each_sync_serves_the_trainers_weights_and_no_stale_prefix(tmp_path, compose_cfg, tiny_model_dir):
     from recipes.grpo import GRPORecipe
 
-    cfg = compose_cfg("parallelism=cpu", f"run.output_dir={tmp_path}", "run.num_steps=2",
+    cfg = compose_cfg("parallelism=cpu", f"run.output_dir={tmp_path}", "run.num_steps=2", "run.eval_every=0",
                       "rollout.engine.dtype=float32", "logger.wandb.mode=disabled",
                       f"rollout.engine.base_port={free_port()}", "rollout.weight_sync.bucket_mb=0.5",
                       # a large step so one update visibly moves the log-probs
@@ -73,7 +73,8 @@ def test_each_sync_serves_the_trainers_weights_and_no_stale_prefix(tmp_path, com
 def test_engine_killed_mid_transfer_ends_the_run_naming_it_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "killed_mid_transfer"
     # small buckets: a sync is hundreds of /update_weights calls, a window of seconds to kill the engine in
-    proc = start_recipe(run_dir, "run.num_steps=4", "run.save_every=1", "rollout.weight_sync.bucket_mb=0.02")
+    proc = start_recipe(run_dir, "run.num_steps=4", "run.save_every=1", "run.eval_every=0",
+                        "rollout.weight_sync.bucket_mb=0.02")
     try:
         wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
         engine = json.loads((run_dir / "processes.json").read_text())["engines"][0]

@@ -42,7 +42,7 @@ def _wait_for(predicate, what: str, launch, job: str, timeout: float):
 def test_preempted_job_leaves_a_checkpoint_that_the_next_job_resumes_from(slurm, launch):
     out = launch.root / "run"
     overrides = ("parallelism=cpu", f"run.output_dir={out}", "run.num_steps=1000", "run.save_every=1",
-                 "run.resume=true", "logger.wandb.mode=offline",
+                 "run.eval_every=0", "run.resume=true", "logger.wandb.mode=offline",
                  f"rollout.engine.base_port={launch.env['R3RL_TEST_ENGINE_PORT']}")
     latest = out / "checkpoints" / "latest"
 

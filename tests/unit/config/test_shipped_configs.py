@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import typing
+from pathlib import Path
 from dataclasses import fields, is_dataclass
 
 import pytest
@@ -13,6 +14,8 @@ from r3rl.config import CONF_DIR, compose
 from r3rl.config.schema import GROUP_SCHEMAS, R3RLConfig
 
 GROUPS = sorted(GROUP_SCHEMAS)
+# the eval sets that take a path (AIME 2024, MATH-500) are composed around this small file of the same shape
+EVAL_SAMPLE = Path(__file__).parent / "data" / "math_eval_sample.jsonl"
 YAMLS = sorted(p for p in CONF_DIR.rglob("*.yaml") if "hydra" not in p.relative_to(CONF_DIR).parts)
 
 
@@ -27,6 +30,9 @@ def overrides_for(group: str, option: str) -> list[str]:
         ov.append("parallelism=disaggregated_4p4")
     elif group != "parallelism":
         ov.append("parallelism=cpu")
+    if group == "eval" and option != "arithmetic":
+        ov += [f"eval.sets.{option}.path={EVAL_SAMPLE}", f"eval.sets.{option}.sampling.top_p=1.0",
+               f"eval.sets.{option}.sampling.max_tokens=16"]
     return ov
 
 
@@ -38,6 +44,9 @@ def schema_keys(schema: type, prefix: str = "") -> set[str]:
             continue
         if is_dataclass(hints[f.name]):
             keys |= schema_keys(hints[f.name], f"{prefix}{f.name}.")
+        elif typing.get_origin(hints[f.name]) is dict and is_dataclass(typing.get_args(hints[f.name])[1]):
+            # named entries (eval.sets.<name>): each entry spells out every field of the entry schema
+            keys |= schema_keys(typing.get_args(hints[f.name])[1], f"{prefix}{f.name}.*.")
         else:
             keys.add(f"{prefix}{f.name}")
     return keys
@@ -49,7 +58,8 @@ def yaml_keys(node, prefix: str = "") -> set[str]:
         if k == "defaults":
             continue
         if isinstance(v, dict) and v and not prefix.endswith(("extra_env.", "transformer_overrides.")):
-            keys |= yaml_keys(v, f"{prefix}{k}.")
+            # named entries are compared with their schema under one wildcard name
+            keys |= yaml_keys(v, f"{prefix}*." if prefix.endswith("sets.") else f"{prefix}{k}.")
         else:
             keys.add(f"{prefix}{k}")
     return keys

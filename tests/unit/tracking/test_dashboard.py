@@ -14,6 +14,7 @@ from r3rl.plan import wandb_naming
 from r3rl.tracking import WandbLogger
 
 STEPS = 5
+EVAL_AT = {0: {True: 0.25, False: 0.25}, STEPS - 1: {True: 0.5, False: 0.375}}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,10 @@ def run_dirs(tmp_path_factory, make_step_metrics):
             run_dir = tmp_path_factory.mktemp(rollout)
             logger = WandbLogger(cfg, wandb_naming(cfg), run_dir)
             for step in range(STEPS):
-                logger.log(make_step_metrics(step, r3=r3, seed=int(r3)), step=step)
+                metrics = make_step_metrics(step, r3=r3, seed=int(r3))
+                if step in EVAL_AT:  # eval points at the start and the end, R3 on ends a little better
+                    metrics.update({"eval/arithmetic/avg@4": EVAL_AT[step][r3], "eval/arithmetic/pass@4": 0.75})
+                logger.log(metrics, step=step)
             logger.finish()
             dirs[r3] = run_dir
     return dirs
@@ -46,6 +50,12 @@ def test_cli_writes_png_html_and_report_spec(run_dirs, tmp_path):
     assert page.count("<svg") == len(PANELS)
     assert "R3 on: tiny_moe-cpu-vllm_r3" in page and "R3 off: tiny_moe-cpu-vllm" in page  # the runs table
     assert "r3/routing_flip_rate/layer_03" in page  # the per-layer lines of the R3 run are drawn
+    # mismatch and eval accuracy side by side: one column per run, first and last eval point
+    table = page[page.index("Mismatch and eval accuracy side by side"):]
+    last = table[table.index("eval/arithmetic/avg@4 last"):].split("</tr>")[0]
+    assert last.index("0.500 (step 4)") < last.index("0.375 (step 4)")  # R3 on's column, then R3 off's
+    assert "eval/arithmetic/avg@4 first</td><td>0.250 (step 0)</td><td>0.250 (step 0)" in table
+    assert "train/logprob_abs_diff (mean over steps)" in table
     spec = json.loads((out / "report.json").read_text())
     assert "Routing flip rate per layer" in json.dumps(spec)
 

@@ -38,6 +38,8 @@ def logged(cfg, tmp_path_factory, make_step_metrics, wandb_processes):
         config = {**dataclasses.asdict(cfg), "notes": BIG_NOTE}
         logger = WandbLogger(config, naming, run_dir)
         logged = {step: make_step_metrics(step, r3=True) for step in range(STEPS)}
+        for step in (0, STEPS - 1):  # eval points, on the same step numbers as the training rows
+            logged[step].update({"eval/arith/avg@4": 0.1 * step, "eval/arith/pass@4": 0.5})
         for step, metrics in logged.items():
             logger.log(metrics, step=step)
         during = wandb_processes()
@@ -53,10 +55,14 @@ def test_reader_gets_every_metric_at_every_step(logged):
     for row in run.history:
         expected = metrics[row["_step"]]
         assert {k: row[k] for k in expected} == expected
-        # each prefix's own step axis, on every prefix the step logged (an R3 run logs no r2/ key)
-        assert {k.split("/", 1)[0] for k in expected} == set(STEP_AXES) - {"r2"}
+        # an R3 run logs no r2/ key; eval/ only at eval points
+        assert {k.split("/", 1)[0] for k in expected} - {"eval"} == set(STEP_AXES) - {"r2", "eval"}
         for prefix, axis in STEP_AXES.items():
-            assert row.get(axis, row["_step"]) == row["_step"] and (prefix == "r2") != (axis in row)
+            if any(k.startswith(f"{prefix}/") for k in expected):
+                assert row[axis] == row["_step"]  # each prefix's own step axis
+            else:
+                assert axis not in row
+    assert [row["_step"] for row in run.history if "eval/arith/avg@4" in row] == [0, STEPS - 1]
     assert run.metric_step_axes == {f"{p}/*": axis for p, axis in STEP_AXES.items()}
     assert run.summary["train/logprob_abs_diff"] == metrics[STEPS - 1]["train/logprob_abs_diff"]
     assert run.exit_code == 0 and not run.truncated
@@ -128,8 +134,8 @@ def test_log_is_once_per_step_with_known_prefixes(cfg, tmp_path, no_wandb_env):
     logger.log({"train/loss": 1.0}, step=3)
     with pytest.raises(ValueError, match="step 3 was already logged"):
         logger.log({"train/loss": 2.0}, step=3)
-    with pytest.raises(ValueError, match="'eval/acc': keys must start with one of train/, rollout/, r3/, r2/, rollout_corr/, perf/"):
-        logger.log({"eval/acc": 1.0}, step=4)
+    with pytest.raises(ValueError, match="'val/acc': keys must start with one of train/, rollout/, r3/, r2/, rollout_corr/, perf/, eval/"):
+        logger.log({"val/acc": 1.0}, step=4)
     with pytest.raises(ValueError, match="is a step axis"):
         logger.log({"train/step": 4}, step=4)
     with pytest.raises(TypeError, match="'train/loss': expected a number, got str"):

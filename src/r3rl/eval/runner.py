@@ -1,0 +1,79 @@
+"""One eval point: every eval set generated on the engines with the weights they serve now, scored, summarised.
+
+Eval requests go through their own ``RolloutClient`` with routing replay off: nothing here is trained on, so the
+routes are neither decoded nor kept. The same request seeds are used at every point, so two points differ by the
+weights only. ``stop()`` returning true (SIGTERM) abandons the point: its requests are cancelled and
+``EvalInterrupted`` is raised, for the recipe to redo the point after resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+
+from r3rl.eval.scoring import set_metrics
+from r3rl.eval.sets import EvalSet
+from r3rl.rollout.client import RolloutClient
+from r3rl.rollout.engine import EngineError
+from r3rl.sample import SampleStatus
+
+EVAL_TIME = "perf/eval_time_s"
+# every eval point sends the same request seeds (the client derives them from the step it is given)
+_SEED_STEP = 0
+
+
+class EvalInterrupted(Exception):
+    """SIGTERM arrived during an eval point; it was abandoned and must be redone."""
+
+
+class Evaluator:
+    def __init__(self, sets: list[EvalSet], client: RolloutClient, tokenizer: Any, console: Console) -> None:
+        self.sets = sets
+        self.client = client
+        self.tokenizer = tokenizer
+        self.console = console
+
+    @classmethod
+    def from_config(cls, cfg, sets: list[EvalSet], urls, tokenizer: Any, console: Console) -> Evaluator:
+        m, eng = cfg.model, cfg.rollout.engine
+        client = RolloutClient(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
+                               routing_replay=False, max_concurrency=eng.max_concurrency,
+                               request_timeout_s=eng.request_timeout_s)
+        return cls(sets, client, tokenizer, console)
+
+    def evaluate(self, step: int, stop: Callable[[], bool]) -> dict[str, float]:
+        """``eval/<set>/...`` for every set and ``perf/eval_time_s``, for the weights after ``step``."""
+        started = time.perf_counter()
+        values: dict[str, float] = {}
+        for s in self.sets:
+            samples = asyncio.run(self._generate(s, step, stop))
+            if any(x.status == SampleStatus.ABORTED for x in samples):
+                raise EngineError(f"eval {s.name} at step {step}: the engine aborted samples")
+            texts = [self.tokenizer.decode(x.response_ids, skip_special_tokens=True) for x in samples]
+            values.update(set_metrics(
+                s.name, s.cfg.n_samples_per_prompt,
+                rewards=[s.score(t, x.label) for t, x in zip(texts, samples)],
+                groups=[x.group for x in samples], lengths=[x.response_length for x in samples],
+                truncated=[x.status == SampleStatus.TRUNCATED for x in samples]))
+            k = s.cfg.n_samples_per_prompt
+            self.console.print(f"eval {s.name} at step {step}: avg@{k} {values[f'eval/{s.name}/avg@{k}']:.3f}, "
+                               f"pass@{k} {values[f'eval/{s.name}/pass@{k}']:.3f} ({len(s.prompts)} prompts x {k})")
+        values[EVAL_TIME] = time.perf_counter() - started
+        return values
+
+    async def _generate(self, s: EvalSet, step: int, stop: Callable[[], bool]):
+        task = asyncio.create_task(self.client.generate(
+            [list(map(int, p.prompt_ids)) for p in s.prompts], s.cfg.n_samples_per_prompt, s.cfg.sampling,
+            step=_SEED_STEP, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in s.prompts],
+            progress_label=f"eval {s.name} (weights of step {step})"))
+        while not task.done():
+            if stop():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise EvalInterrupted(s.name)
+            await asyncio.wait({task}, timeout=0.2)
+        return task.result()

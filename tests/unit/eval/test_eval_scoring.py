@@ -1,0 +1,61 @@
+"""pass@k (unbiased) and the per-set eval figures against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from r3rl.eval.scoring import pass_at_k, set_metrics
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (5, 2, 2, 1 - 3 / 10),         # 1 - C(3,2)/C(5,2)
+    (4, 1, 1, 0.25),               # pass@1 is the share correct
+    (10, 3, 1, 0.3),
+    (10, 3, 5, 1 - 21 / 252),      # 1 - C(7,5)/C(10,5)
+    (16, 1, 4, 1 - 1365 / 1820),   # 1 - C(15,4)/C(16,4) = 4/16
+    (10, 0, 5, 0.0),               # nothing correct
+    (3, 2, 2, 1.0),                # n - c < k: every pair holds a correct one
+    (4, 4, 4, 1.0),
+    (4, 1, 4, 1.0),                # k = n: pass@k is "any correct"
+    (4, 0, 4, 0.0),
+])
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("n, c, k", [(4, 5, 2), (4, 1, 0), (4, 1, 5), (4, -1, 1)])
+def test_pass_at_k_refuses_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)
+
+
+def test_set_metrics_hand_computed():
+    # two prompts, k=2: prompt 0 gets 1 of 2 right, prompt 1 none; one response of four hit max_tokens
+    out = set_metrics("arith", 2, rewards=[1.0, 0.0, 0.0, 0.0], groups=[0, 0, 1, 1], lengths=[4, 6, 10, 16],
+                      truncated=[False, False, False, True])
+    assert out["eval/arith/avg@2"] == pytest.approx(0.25)
+    assert out["eval/arith/pass@2"] == pytest.approx(0.5)
+    assert out["eval/arith/response_length_mean"] == pytest.approx(9.0)
+    assert out["eval/arith/truncated_share"] == pytest.approx(0.25)
+    # per-prompt means 0.5 and 0.0: sample std 0.3536, over sqrt(2) prompts
+    assert out["eval/arith/avg@2_stderr"] == pytest.approx(math.sqrt(0.125) / math.sqrt(2))
+
+
+def test_set_metrics_needs_k_samples_per_prompt():
+    with pytest.raises(ValueError, match="k=2"):
+        set_metrics("arith", 2, rewards=[1.0, 0.0, 1.0], groups=[0, 0, 1], lengths=[1, 1, 1],
+                    truncated=[False] * 3)
+
+
+def test_run_summary_lists_each_sets_eval_figures_with_baseline_and_last_point():
+    from r3rl.tracking.summary import summarize
+
+    history = [{"_step": 0, "eval/arith/avg@2": 0.25, "eval/arith/pass@2": 0.5, "perf/eval_time_s": 1.0},
+               {"_step": 1, "train/logprob_abs_diff": 0.1},
+               {"_step": 2, "train/logprob_abs_diff": 0.2, "eval/arith/avg@2": 0.5, "eval/arith/pass@2": 1.0}]
+    stats = summarize(history)
+    assert stats["eval/arith/avg@2"]["first"] == 0.25 and stats["eval/arith/avg@2"]["last"] == 0.5
+    assert stats["eval/arith/pass@2"]["steps"] == 2
+    assert stats["train/logprob_abs_diff"]["steps"] == 2
