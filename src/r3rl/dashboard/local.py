@@ -24,19 +24,20 @@ from r3rl.dashboard.report import RUNSET_NAMES  # noqa: E402
 from r3rl.tracking.offline_reader import OfflineRun  # noqa: E402
 from r3rl.tracking.summary import fmt_cell, summarize  # noqa: E402
 
-# R3 on / off keep their colour in every panel; a family (one line per layer) takes shades of it.
-_COLOURS = {True: ("tab:blue", "Blues"), False: ("tab:orange", "Oranges"), None: ("tab:green", "Greens")}
+# Each replay mode keeps its colour in every panel; a family (one line per layer) takes shades of it.
+_COLOURS = {"r3": ("tab:blue", "Blues"), "r2": ("tab:purple", "Purples"), "none": ("tab:orange", "Oranges"),
+            None: ("tab:green", "Greens")}
 _STYLES = ("-", "--", ":", "-.")
 
 
 def run_label(run: OfflineRun) -> str:
-    return f"{RUNSET_NAMES[run.r3]}: {run.name or run.run_id}"
+    return f"{RUNSET_NAMES[run.replay]}: {run.name or run.run_id}"
 
 
 def _short_label(run: OfflineRun, runs: Sequence[OfflineRun]) -> str:
-    """"R3 on" when it names one run of the comparison, else with the run's name."""
-    alone = sum(1 for r in runs if r.r3 is run.r3) == 1
-    return RUNSET_NAMES[run.r3] if alone else run_label(run)
+    """"R3 on" (the replay mode) when it names one run of the comparison, else with the run's name."""
+    alone = sum(1 for r in runs if r.replay == run.replay) == 1
+    return RUNSET_NAMES[run.replay] if alone else run_label(run)
 
 
 def _stderr_band(ax: Axes, run: OfflineRun, key: str, steps: list[int], ys: list[float], colour) -> None:
@@ -57,8 +58,8 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[OfflineRun]) -> int:
     lines = 0
     for run_index, run in enumerate(runs):
         keys = panel.select(run.metric_keys())
-        colour, cmap_name = _COLOURS[run.r3]
-        style_offset = sum(1 for r in runs[:run_index] if r.r3 is run.r3)  # two runs of one state: other dashes
+        colour, cmap_name = _COLOURS[run.replay]
+        style_offset = sum(1 for r in runs[:run_index] if r.replay == run.replay)  # two runs of one state: other dashes
         family = len(keys) > len(_STYLES)
         cmap = plt.get_cmap(cmap_name)
         for i, key in enumerate(keys):
@@ -127,7 +128,7 @@ def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] =
     ]
     for r in runs:
         parts.append(
-            f"<tr><td>{e(r.name)}</td><td>{e(r.run_id)}</td><td>{e(RUNSET_NAMES[r.r3])}</td><td>{e(r.group)}</td>"
+            f"<tr><td>{e(r.name)}</td><td>{e(r.run_id)}</td><td>{e(RUNSET_NAMES[r.replay])}</td><td>{e(r.group)}</td>"
             f"<td>{e(', '.join(r.tags))}</td><td>{len(r.history)}</td>"
             f"<td>{e(', '.join(str(f) for f in r.files))}</td></tr>"
         )

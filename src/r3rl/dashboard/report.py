@@ -17,20 +17,21 @@ from wandb_workspaces import expr
 from r3rl.dashboard.panels import PANELS, Panel
 from r3rl.tracking.offline_reader import OfflineRun
 
-RUNSET_NAMES = {True: "R3 on", False: "R3 off", None: "R3 unknown"}
+# by replay mode (OfflineRun.replay); R3 on / off keep the names and tags they had before R2 existed
+RUNSET_NAMES = {"r3": "R3 on", "r2": "R2", "none": "R3 off", None: "replay unknown"}
+_RUNSET_TAGS = {"r3": "r3:on", "r2": "replay:r2", "none": "r3:off"}
 
 
 def _runsets(runs: Sequence[OfflineRun], entity: str, project: str) -> list[wr.Runset]:
-    """One runset per R3 state, each holding the given runs of that state (by tag and id)."""
+    """One runset per replay mode, each holding the given runs of that mode (by tag and id)."""
     out = []
-    for state in (True, False, None):
-        ids = [r.run_id for r in runs if r.r3 is state]
+    for mode, name in RUNSET_NAMES.items():
+        ids = [r.run_id for r in runs if r.replay == mode]
         if not ids:
             continue
         by_id = expr.Metric("ID").isin(ids)  # "ID" is the run id in W&B's filter language
-        filters = expr.And(by_id) if state is None else expr.And(expr.Tags().isin([f"r3:{'on' if state else 'off'}"]),
-                                                                 by_id)
-        out.append(wr.Runset(entity=entity, project=project, name=RUNSET_NAMES[state], filters=filters))
+        filters = expr.And(by_id) if mode is None else expr.And(expr.Tags().isin([_RUNSET_TAGS[mode]]), by_id)
+        out.append(wr.Runset(entity=entity, project=project, name=name, filters=filters))
     return out
 
 
@@ -47,10 +48,10 @@ def _line_plot(panel: Panel, runs: Sequence[OfflineRun]) -> wr.LinePlot:
 
 def build_report(runs: Sequence[OfflineRun], *, entity: str, project: str,
                  title: str = "R3: rollout routing replay on vs off") -> wr.Report:
-    """A report with one panel grid: the runs split into R3 on / off runsets, and the comparison panels."""
+    """A report with one panel grid: one runset per replay mode (R3 on, R2, R3 off), and the comparison panels."""
     if not runs:
         raise ValueError("build_report: no runs to compare")
-    names = ", ".join(f"{r.name} ({r.run_id}, {RUNSET_NAMES[r.r3]})" for r in runs)
+    names = ", ".join(f"{r.name} ({r.run_id}, {RUNSET_NAMES[r.replay]})" for r in runs)
     groups = sorted({r.group for r in runs if r.group})
     description = f"Runs: {names}." + (f" Group: {', '.join(groups)}." if groups else "")
     grid = wr.PanelGrid(runsets=_runsets(runs, entity, project), panels=[_line_plot(p, runs) for p in PANELS])

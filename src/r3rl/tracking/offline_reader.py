@@ -75,6 +75,15 @@ class OfflineRun:
             return False
         return None
 
+    @property
+    def replay(self) -> str | None:
+        """The replay mode (``r3``, ``r2``, ``none``) from the ``replay:<mode>`` tag; runs from before that tag
+        existed say it through ``r3:on``/``r3:off``; None when neither is there."""
+        for tag in self.tags:
+            if tag.startswith("replay:"):
+                return tag.split(":", 1)[1]
+        return {True: "r3", False: "none", None: None}[self.r3]
+
 
 def read_records(path: str | Path) -> tuple[list[pb.Record], bool]:
     """(records, truncated) of one ``.wandb`` file; ``truncated`` when its last chunk was cut short."""

@@ -23,13 +23,13 @@ def run_dirs(tmp_path_factory, make_step_metrics):
     with pytest.MonkeyPatch.context() as mp:
         for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
             mp.delenv(var, raising=False)
-        for rollout, r3 in (("vllm_r3", True), ("vllm", False)):
-            cfg = compose(["model=tiny_moe", "parallelism=cpu", f"rollout={rollout}"])
-            run_dir = tmp_path_factory.mktemp(rollout)
+        for rollout, r3, replay in (("vllm_r3", True, "auto"), ("vllm", False, "auto"), ("vllm", "r2", "r2")):
+            cfg = compose(["model=tiny_moe", "parallelism=cpu", f"rollout={rollout}", f"replay={replay}"])
+            run_dir = tmp_path_factory.mktemp(f"{rollout}-{replay}")
             logger = WandbLogger(cfg, wandb_naming(cfg), run_dir)
             for step in range(STEPS):
-                metrics = make_step_metrics(step, r3=r3, seed=int(r3))
-                if step in EVAL_AT:  # eval points at the start and the end, R3 on ends a little better
+                metrics = make_step_metrics(step, r3=r3 is True, seed=int(r3 is True))
+                if step in EVAL_AT and r3 != "r2":  # eval points at the start and the end, R3 on ends a little better
                     metrics.update({"eval/arithmetic/avg@4": EVAL_AT[step][r3], "eval/arithmetic/pass@4": 0.75})
                 logger.log(metrics, step=step)
             logger.finish()
@@ -95,3 +95,23 @@ def test_runs_given_twice_are_refused(run_dirs, tmp_path):
         load_runs([run_dirs[True], run_dirs[True]])
     with pytest.raises(FileNotFoundError, match="no run-\\*.wandb file"):
         load_runs([tmp_path])
+
+
+def test_each_replay_mode_has_its_runset_colour_and_label(run_dirs, tmp_path):
+    from matplotlib import pyplot as plt
+
+    from r3rl.dashboard.local import draw_panel
+
+    runs = load_runs([run_dirs[True], run_dirs["r2"], run_dirs[False]])
+    assert [r.replay for r in runs] == ["r3", "r2", "none"]
+    spec = report_spec(build_report(runs, entity="e", project="r3rl"))
+    (grid,) = [b for b in spec["blocks"] if b.get("type") == "panel-grid"]
+    runsets = grid["metadata"]["runSets"]
+    assert [rs["name"] for rs in runsets] == ["R3 on", "R2", "R3 off"]
+    assert runsets[1]["filters"]["filters"][0]["value"] == ["replay:r2"]
+    assert runsets[1]["filters"]["filters"][1]["value"] == [runs[1].run_id]
+    fig, ax = plt.subplots()
+    draw_panel(ax, PANELS[0], runs)  # the mismatch, one colour per mode
+    colours = {line.get_label().split(":")[0]: line.get_color() for line in ax.get_lines()}
+    plt.close(fig)
+    assert set(colours) == {"R3 on", "R2", "R3 off"} and len(set(colours.values())) == 3
