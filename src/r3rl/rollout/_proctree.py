@@ -56,3 +56,19 @@ def group_members(pgid: int) -> list[int]:
         if st is not None and st[2] == pgid and st[0] not in ("Z", "X"):
             out.append(p)
     return out
+
+
+def shared_memory_segments(pids) -> set[Path]:
+    """Python shared-memory segments (``/dev/shm/psm_*``, what vLLM's message queues use) mapped by ``pids``."""
+    out: set[Path] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+            path = fields[5] if len(fields) == 6 else ""
+            if path.startswith("/dev/shm/psm_"):
+                out.add(Path(path.removesuffix(" (deleted)")))
+    return out

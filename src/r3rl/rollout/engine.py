@@ -103,6 +103,7 @@ class VLLMEngine:
         self.log_path = log_path
         self.index = index
         self._tree: set[int] = set()
+        self._shm: set[Path] = set()
         self._stopped = proc is None
 
     # -- construction -------------------------------------------------------------------------------------------
@@ -203,10 +204,16 @@ class VLLMEngine:
         self._snapshot_tree()
         return sorted(self._tree)
 
+    def shared_memory(self) -> list[Path]:
+        """The shared-memory segments the server's processes have mapped (seen so far)."""
+        self._snapshot_tree()
+        return sorted(self._shm)
+
     def _snapshot_tree(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._tree.add(self._proc.pid)
             self._tree.update(_proctree.descendants(self._proc.pid))
+            self._shm.update(_proctree.shared_memory_segments(p for p in self._tree if _proctree.is_running(p)))
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def wait_healthy(self, timeout_s: float, poll_interval_s: float = 0.5) -> None:
@@ -260,6 +267,9 @@ class VLLMEngine:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        # a killed server never unlinks its message queues' segments: nothing of it maps them any more
+        for path in self._shm - _proctree.shared_memory_segments([os.getpid()]):
+            path.unlink(missing_ok=True)
         with _live_lock:
             _live_engines.discard(self)
 
