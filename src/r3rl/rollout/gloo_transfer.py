@@ -7,12 +7,13 @@ A bucket travels packed in one flat byte buffer (one broadcast per bucket, tenso
 both sides compute from the bucket's ``names``/``dtype_names``/``shapes``). When the sender and every engine share
 a host, the buffer is a file in /dev/shm instead, which the engines map and read in place (``shm_path``).
 
-Loading is vLLM's layerwise reload (start -> ``load_weights`` per bucket -> finish), with r3rl's CPU MoE repack
-around it (``worker_extension.MoERepack``): without it the CPU experts' grouped-GEMM prepack would be skipped and the
-engine would serve wrong experts after a transfer.
+Loading is vLLM's layerwise reload (start -> ``load_weights`` per bucket -> finish), except for the CPU experts,
+whose weights live prepacked for the grouped GEMM: each such layer is loaded into a warm unpacked staging pair and
+prepacked straight into its live storage once complete (``cpu_experts.PackedExpertsUpdate``; layers it cannot take
+go through ``cpu_experts.MoERepack``). Without either the engine would serve wrong experts after a transfer.
 
 vLLM learns the name from r3rl's ``vllm.general_plugins`` entry point (``register``), which every vLLM process runs.
-This module runs inside the engine's worker, so it imports only torch, vLLM and r3rl's worker extension.
+This module runs inside the engine's worker, so it imports only torch, vLLM and r3rl's worker-side modules.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     # instead of broadcast, so the bytes are copied once by the sender and once into the model. The sender reuses
     # the file for a later bucket once this update has answered (``_detach_buffered``)
     shm_path: str | None = None
+    # after the last bucket, no tensors: every layer must have arrived whole (``PackedExpertsUpdate.check``)
+    last: bool = False
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
@@ -187,6 +190,21 @@ def _detach_buffered(buf: torch.Tensor) -> None:
                     bound.arguments[key] = value.clone()
 
 
+def abandon_layerwise_reload(model: torch.nn.Module) -> None:
+    """After an update failed half way: every layer still waiting in vLLM's layerwise reload gets its live tensors
+    back (still the previous weights; the reload had put it on the meta device), so the engine can serve again.
+    Layers already processed keep their new weights."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _place_kernel_tensors
+
+    for layer, info in list(LAYERWISE_INFO.items()):
+        if info.can_load():
+            if info.kernel_tensors is not None:
+                _place_kernel_tensors(layer, info)
+            info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -197,8 +215,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
         self._store = None
         self.timeout_s = 600.0
-        self._repack = None
+        self._update: tuple[Any, Any] | None = None  # (PackedExpertsUpdate, MoERepack) while an update is open
+        self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []  # experts staging pairs, warm across updates
         self.received_tensors = 0
+        self.experts_packed_in_place = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         rank = init_info.rank_offset + self.parallel_config.rank
@@ -211,15 +231,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from r3rl.rollout.worker_extension import MoERepack
+        from r3rl.rollout.cpu_experts import MoERepack, PackedExpertsUpdate
 
-        self._repack = MoERepack(self.model)
-        self.received_tensors = 0
+        experts = PackedExpertsUpdate(self.model, self._staging)
+        repack = MoERepack(self.model, skip=experts.methods)
+        self.received_tensors = self.experts_packed_in_place = 0
+        self._update = (experts, repack)
         try:
             initialize_layerwise_reload(self.model)
+            experts.exclude_from_reload()
         except BaseException:
-            self._repack.abort()
-            self._repack = None
+            self._abort()
             raise
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -227,15 +249,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         try:
             self.receive_weights(self.parse_update_info(update_info))
         except BaseException:
-            if self._repack is not None:
-                self._repack.abort()
+            self._abort()  # vLLM ends the update when this raises: leave the model servable
             raise
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
-        if self._repack is None:
+        if self._update is None:
             raise RuntimeError(f"{BACKEND}: update_weights before start_weight_update")
+        experts, repack = self._update
+        if update_info.last:
+            experts.check()
+            repack.check()
+            return
         _, size = packed_offsets(update_info.dtype_names, update_info.shapes)
         if update_info.shm_path is not None:
             # private mapping: reading costs no copy
@@ -243,7 +269,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         else:
             buf = torch.empty(size, dtype=torch.uint8)
             broadcast(self.group, buf, self.timeout_s)
+        experts.stage(update_info.names)
         self.model.load_weights(unpack(buf, update_info.names, update_info.dtype_names, update_info.shapes))
+        experts.loaded()
         if update_info.shm_path is not None:
             _detach_buffered(buf)
         self.received_tensors += len(update_info.names)
@@ -251,15 +279,24 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        repack, self._repack = self._repack, None
+        if self._update is None:
+            raise RuntimeError(f"{BACKEND}: finish_weight_update before start_weight_update")
+        experts, repack = self._update
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         except BaseException:
-            if repack is not None:
-                repack.abort()
+            self._abort()
             raise
-        if repack is not None:
-            repack.finish()
+        self._update = None
+        repack.finish()
+        self.experts_packed_in_place = experts.finish()
+
+    def _abort(self) -> None:
+        if self._update is not None:
+            for part in self._update:
+                part.abort()
+            self._update = None
+        abandon_layerwise_reload(self.model)
 
     def shutdown(self) -> None:
         self.group = self._store = None

@@ -36,7 +36,10 @@ class EngineSet:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.urls)))
-        self._client = httpx.Client(timeout=timeout_s)
+        # a fresh connection per call: when a route raises inside vLLM, uvicorn answers 500 and then drops the
+        # connection, so a pooled one would fail the next call (a /resume after a failed update) with a reset
+        # instead of reaching the engine. A few calls per sync make the extra connects negligible
+        self._client = httpx.Client(timeout=timeout_s, headers={"Connection": "close"})
 
     def close(self) -> None:
         self._client.close()
@@ -166,6 +169,10 @@ class Wire(ABC):
         """The /update_weights calls of one bucket (none for an empty one); the next is asked for once fewer than
         ``in_flight`` are unanswered."""
 
+    def closing(self) -> Iterator[Update]:
+        """The /update_weights calls after the last bucket (default: none)."""
+        return iter(())
+
     def close(self) -> None:
         """Release the wire's group and buffers."""
 
@@ -204,40 +211,23 @@ class TransferSender:
         """Stream ``buckets`` (lists of ``(hf_name, tensor)``) to every engine; the weights are labelled ``version``.
 
         /start_weight_update, then per update of each bucket /update_weights on every engine (with the wire's
-        transmit while it is in flight), then /finish_weight_update. Pipelined: while the engines load one update
+        transmit while it is in flight), then the wire's closing updates, then /finish_weight_update. Pipelined: while the engines load one update
         the next is produced (at most ``wire.in_flight`` unanswered). The bucket iterator is always run to its end
         (the trainer's other ranks take part in producing it).
         """
         start = time.perf_counter()
         it = iter(buckets)
-        count = tensors = nbytes = 0
-        pack_s = wire_s = 0.0
+        count = 0
+        totals = [0, 0, 0.0, 0.0]  # tensors, bytes, pack seconds, wire seconds
         pending: list = []
         try:
             self.engines.start_weight_update()
             for bucket in it:
                 updates = self.wire.updates(bucket)
                 del bucket
-                while True:
-                    while len(pending) >= self.wire.in_flight:  # the engines load one while the next is produced
-                        self.engines.wait(pending.pop(0))
-                    t0 = time.perf_counter()
-                    update = next(updates, None)
-                    if update is None:
-                        break
-                    t1 = time.perf_counter()
-                    pending.append(self.engines.submit("/update_weights", "receiving weights",
-                                                       json={"update_info": update.info}))
-                    if update.transmit is not None:
-                        try:
-                            update.transmit()
-                        except Exception as err:
-                            self._name_failure([f for fs in pending for f in fs], err, "the weight transfer")
-                            raise
-                    pack_s, wire_s = pack_s + t1 - t0, wire_s + time.perf_counter() - t1
-                    tensors += update.tensors
-                    nbytes += update.nbytes
+                self._pipe(updates, pending, totals)
                 count += 1
+            self._pipe(self.wire.closing(), pending, totals)
             t2 = time.perf_counter()
             for futures in pending:
                 self.engines.wait(futures)
@@ -247,7 +237,31 @@ class TransferSender:
             for _ in it:  # keep the other trainer ranks' sends matched, so the trainer stays usable
                 pass
             raise
+        tensors, nbytes, pack_s, wire_s = totals
         return SendStats(version, count, tensors, nbytes, time.perf_counter() - start, pack_s, wire_s, load_tail)
+
+    def _pipe(self, updates: Iterator[Update], pending: list, totals: list) -> None:
+        """Submit ``updates`` as /update_weights calls, at most ``wire.in_flight`` unanswered at once."""
+        while True:
+            while len(pending) >= self.wire.in_flight:  # the engines load one while the next is produced
+                self.engines.wait(pending.pop(0))
+            t0 = time.perf_counter()
+            update = next(updates, None)
+            if update is None:
+                return
+            t1 = time.perf_counter()
+            pending.append(self.engines.submit("/update_weights", "receiving weights",
+                                               json={"update_info": update.info}))
+            if update.transmit is not None:
+                try:
+                    update.transmit()
+                except Exception as err:
+                    self._name_failure([f for fs in pending for f in fs], err, "the weight transfer")
+                    raise
+            totals[0] += update.tensors
+            totals[1] += update.nbytes
+            totals[2] += t1 - t0
+            totals[3] += time.perf_counter() - t1
 
     def close(self) -> None:
         self.wire.close()

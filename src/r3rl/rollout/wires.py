@@ -116,6 +116,11 @@ class GlooWire(Wire):
             self._buf = buf
         yield Update(info, len(ts), size, transmit=lambda: broadcast(self.group, buf, self.timeout_s))
 
+    def closing(self) -> Iterator[Update]:
+        # the engines check that every MoE layer arrived whole: an error here ends the update cleanly in vLLM,
+        # where an error in /finish_weight_update would leave it open and the engine refusing the next one
+        yield Update({"names": [], "dtype_names": [], "shapes": [], "last": True}, 0, 0)
+
     def close(self) -> None:
         self.group = self._store = self._buf = None
         self._shm_cleanup()

@@ -74,7 +74,9 @@ def test_transfer_serves_new_weights_and_no_stale_prefix(r3_cfg, r3_engine, r3_c
         stats = sync(engines, sender, new_dir, version=1)
         assert stats.buckets > 3 and stats.tensors == sum(len(b) for b in buckets_of(new_dir, 1 << 30))
         received = engines.all("/collective_rpc", "stats", json={"method": "r3rl_transfer_stats"})[0]["results"]
-        assert received == [{"backend": "GlooWeightTransferEngine", "received_tensors": stats.tensors}]
+        # every MoE layer of the tiny model was prepacked straight into its live storage
+        assert received == [{"backend": "GlooWeightTransferEngine", "received_tensors": stats.tensors,
+                             "experts_packed_in_place": 4}]
         after = weight_checksums(url)
         changed = {k.split(":")[-1] for k in before if before[k] != after[k]}
         # the CPU experts' prepacked weights took the new values (the MoE repack ran after the transfer)
@@ -96,6 +98,39 @@ def test_transfer_serves_new_weights_and_no_stale_prefix(r3_cfg, r3_engine, r3_c
         sync(engines, sender, tiny_model_dir, version=2)
         assert weight_version(url) == "2"
         assert weight_checksums(url) == before
+    finally:
+        sender.close()
+        engines.close()
+
+
+def test_update_missing_an_expert_weight_fails_naming_the_layer_which_keeps_its_weights(r3_engine, tiny_model_dir,
+                                                                                        tmp_path):
+    """The CPU experts are prepacked into their live storage only once a layer has all its expert weights: an
+    update that lacks one fails at /finish_weight_update naming the layer and the count, that layer keeps its
+    previous weights whole (never half new, never unpacked values in packed storage), the complete layers took the
+    new ones, and the engine takes the next full update."""
+    url = r3_engine.url
+    engines = EngineSet([url], timeout_s=300)
+    sender = TransferSender(engines, GlooWire("127.0.0.1", free_port(), 300, 60))
+    new_dir = perturbed_checkpoint(tiny_model_dir, tmp_path / "step1", seed=11)
+    dropped = "model.layers.2.mlp.experts.5.up_proj.weight"
+    layer = "model.layers.{}.mlp.experts.routed_experts.w13_weight"
+    try:
+        sync(engines, sender, tiny_model_dir, version=10)
+        before = weight_checksums(url)
+        engines.pause()
+        with pytest.raises(EngineError) as info:
+            sender.send(([(n, t) for n, t in b if n != dropped] for b in buckets_of(new_dir, 256 * 1024)), 11)
+        engines.resume()
+        assert "layer 2: 23 of 24" in str(info.value) and info.value.url == url, str(info.value)
+        after = {k.split(":")[-1]: v for k, v in weight_checksums(url).items()}
+        before = {k.split(":")[-1]: v for k, v in before.items()}
+        assert after[layer.format(2)] == before[layer.format(2)]
+        assert all(after[layer.format(i)] != before[layer.format(i)] for i in (0, 1, 3))
+
+        sync(engines, sender, tiny_model_dir, version=12)
+        assert weight_version(url) == "12"
+        assert {k.split(":")[-1]: v for k, v in weight_checksums(url).items()} == before
     finally:
         sender.close()
         engines.close()
