@@ -105,12 +105,18 @@ def local_address_towards(address: str) -> str:
 
 
 def open_store(master_address: str, master_port: int, world_size: int, join_timeout_s: float, *, is_master: bool):
-    """The TCPStore the sender hosts (``is_master``) and every engine worker reaches: only the rendezvous uses it,
-    so its timeout is the join timeout."""
+    """The TCPStore the sender hosts (``is_master``, listening on ``master_address`` alone) and every engine worker
+    reaches: only the rendezvous uses it, so its timeout is the join timeout."""
     from torch.distributed import TCPStore
 
-    return TCPStore(master_address, master_port, world_size, is_master=is_master,
-                    timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
+    timeout = datetime.timedelta(seconds=join_timeout_s)
+    if not is_master:
+        return TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+    from r3rl.net import listening_fd
+
+    fd, port = listening_fd(master_address, master_port)
+    return TCPStore(master_address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                    master_listen_fd=fd)
 
 
 def open_group(store, master_address: str, rank: int, world_size: int, join_timeout_s: float):

@@ -59,8 +59,11 @@ def open_rendezvous(host: str, world_size: int, timeout_minutes: int = 30) -> in
     join with ``rendezvous_env`` (as clients, rank 0 included, so all of them see the store alike)."""
     global _STORE
     if _STORE is None:
-        _STORE = torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                                            timeout=datetime.timedelta(minutes=timeout_minutes))
+        from r3rl.net import listening_fd
+
+        fd, port = listening_fd(host)
+        _STORE = torch.distributed.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                                            timeout=datetime.timedelta(minutes=timeout_minutes), master_listen_fd=fd)
     return _STORE.port
 
 

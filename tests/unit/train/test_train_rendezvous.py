@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 RANK_ZERO_LISTENS_FIRST = textwrap.dedent("""
     import socket
@@ -15,6 +16,8 @@ RANK_ZERO_LISTENS_FIRST = textwrap.dedent("""
     port = distributed.open_rendezvous("127.0.0.1", world_size=2)
     with socket.create_connection(("127.0.0.1", port), timeout=10):
         pass  # already listening: the port cannot be taken any more
+    from test_net import listening_on
+    assert listening_on(port) == {"127.0.0.1"}, listening_on(port)  # on the address given, not every interface
     assert distributed.open_rendezvous("127.0.0.1", world_size=2) == port  # asked again: the same store
     env = distributed.rendezvous_env(1, 2, "127.0.0.1", port)
     # every rank, rank 0 included, joins as a client of that store (torch's agent-store rendezvous)
@@ -38,6 +41,7 @@ LONE_RANK = textwrap.dedent("""
 
 def run_fresh(code: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                          env={**env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
