@@ -7,6 +7,8 @@ The model is a synthetic Qwen3-MoE (random float32 weights, tiny vocabulary's to
 "trainer" is this process holding those weights as HF-named tensors, so both paths start from the same buckets and
 neither pays for Megatron. Disk writes the folder the way the trainer's export does (one file per bucket plus an
 index) and the engine reloads it (``r3rl.rollout.weights``); its files stay in the page cache, which favours disk.
+The engine loads them differently: the transfer engine prepacks the CPU experts straight into their live storage
+(``r3rl.rollout.cpu_experts.PackedExpertsUpdate``), disk goes through vLLM's reload (fresh layers, copied back).
 Both end with the same weights on the engine (checked by vLLM's weight checksums). Also printed: this machine's
 memcpy rate (a floor: any sync moves every byte at least once). Last line: ``transfer/disk sync time ratio: X``.
 """

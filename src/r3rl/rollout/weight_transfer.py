@@ -227,8 +227,8 @@ class TransferSender:
                 del bucket
                 self._pipe(updates, pending, totals)
                 count += 1
-            self._pipe(self.wire.closing(), pending, totals)
             t2 = time.perf_counter()
+            self._pipe(self.wire.closing(), pending, totals)
             for futures in pending:
                 self.engines.wait(futures)
             load_tail = time.perf_counter() - t2
