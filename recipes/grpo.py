@@ -200,7 +200,7 @@ class GRPORecipe:
                                       alg.normalize_advantage_std)
         t = time.perf_counter()
         per_token = [np.full(s.response_length, a, dtype=np.float32) for s, a in zip(samples, advantages)]
-        apply = self.correction.kind != "none" or self.correction.seq_error_threshold is not None
+        apply = self.correction.changes_training
         train_out = self.trainers.call("train_step", train_batch, per_token, replay=self.replay_mode != "none",
                                        old_logprobs=replayed.logprobs,
                                        is_weights=corrected.weights if apply else None,

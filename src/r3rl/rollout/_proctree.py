@@ -59,7 +59,8 @@ def group_members(pgid: int) -> list[int]:
 
 
 def shared_memory_segments(pids) -> set[Path]:
-    """Python shared-memory segments (``/dev/shm/psm_*``, what vLLM's message queues use) mapped by ``pids``."""
+    """Shared-memory files mapped by ``pids`` that outlive a killed process: Python's shared-memory segments
+    (``/dev/shm/psm_*``, vLLM's message queues) and multiprocessing's named semaphores (``/dev/shm/sem.mp-*``)."""
     out: set[Path] = set()
     for pid in pids:
         try:
@@ -69,6 +70,7 @@ def shared_memory_segments(pids) -> set[Path]:
         for line in maps.splitlines():
             fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
             path = fields[5] if len(fields) == 6 else ""
-            if path.startswith("/dev/shm/psm_"):
-                out.add(Path(path.removesuffix(" (deleted)")))
+            # an unlinked one (multiprocessing unlinks its semaphores at once) is gone with its last mapping
+            if path.startswith(("/dev/shm/psm_", "/dev/shm/sem.mp-")) and not path.endswith(" (deleted)"):
+                out.add(Path(path))
     return out

@@ -54,6 +54,11 @@ class Correction:
         if self.kind not in KINDS:
             raise ValueError(f"correction.name: must be one of {KINDS}, got {self.kind!r}")
 
+    @property
+    def changes_training(self) -> bool:
+        """Whether the loss gets weights or masks (``none`` without the gate only logs what a correction would do)."""
+        return self.kind != "none" or self.seq_error_threshold is not None
+
 
 @dataclass
 class Corrected:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from r3rl.rollout import _proctree
+
 IPROUTE_PACKAGE = "iproute2"
 
 
@@ -104,13 +106,22 @@ class TwoHosts:
         return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
 
     def kill_host(self, host: Host) -> list[int]:
-        """What a host that loses power looks like to the others: every process on it is gone at once."""
+        """What a host that loses power looks like to the others: every process on it is gone at once, and so is
+        its shared memory (the namespaces share this machine's /dev/shm, so what only the host's processes mapped
+        is removed here)."""
         pids = self.pids(host)
+        segments = _proctree.shared_memory_segments(pids)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        deadline = time.monotonic() + 10
+        while any(_proctree.is_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        others = [p for p in _proctree._all_pids() if p not in set(pids)]
+        for path in segments - _proctree.shared_memory_segments(others):
+            path.unlink(missing_ok=True)
         return pids
 
     def down(self, timeout: float = 30) -> list[str]:

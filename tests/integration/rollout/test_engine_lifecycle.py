@@ -73,8 +73,9 @@ def test_dead_engine_fails_the_rollout_naming_it_and_leaves_no_process(tiny_mode
     try:
         tree = engine.process_tree()
         assert len(tree) >= 3 and engine.pid in tree  # API server, EngineCore, worker (+ resource tracker)
-        segments = engine.shared_memory()  # vLLM's message queues between the server's processes
-        assert segments and all(p.exists() for p in segments), segments
+        segments = engine.shared_memory()  # vLLM's message queues between the server's processes (+ semaphores)
+        queues = [p for p in segments if p.name.startswith("psm_")]
+        assert queues and all(p.exists() for p in queues), segments
         check = subprocess.run([sys.executable, "-m", "r3rl.tools.check_engine", "--url", engine.url, "--num-layers",
                                 "4", "--topk", "2", "--num-experts", "8"], capture_output=True, text=True, timeout=300)
         assert check.returncode == 1

@@ -122,3 +122,9 @@ def test_weights_and_masks_enter_the_loss_per_token():
     plain = policy_loss(lp, old, adv, torch.ones(1, 3), clip_low=0.2, clip_high=0.2,
                         is_weights=torch.tensor([[2.0, 1.0, 0.25]]))
     assert float(plain.loss) == pytest.approx(-3.25) and float(plain.pg) == pytest.approx(-3.25)
+
+
+def test_only_none_without_the_gate_leaves_the_loss_alone():
+    assert not Correction("none").changes_training
+    assert Correction("none", seq_error_threshold=1.5).changes_training
+    assert all(Correction(kind).changes_training for kind in ("tis", "icepop", "seq_mask_tis"))
