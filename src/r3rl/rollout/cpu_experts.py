@@ -99,10 +99,11 @@ def _loads_in_place(module: torch.nn.Module, experts: Any) -> bool:
     config = experts.moe_config
     parallel = config.moe_parallel_config
     w13, w2 = getattr(module, "w13_weight", None), getattr(module, "w2_weight", None)
+    padded = getattr(experts, "_padded_intermediate_size", None)  # vLLM 0.32's CPU experts; unknown: not in place
     return (w13 is not None and w2 is not None and w13.dim() == 3 and w2.dim() == 3
             and not getattr(experts, "_use_zentorch", False)
             and parallel.tp_size == 1 and parallel.ep_size == 1
-            and experts._padded_intermediate_size(config) == config.intermediate_size_per_partition
+            and padded is not None and padded(config) == config.intermediate_size_per_partition
             and getattr(module, "w13_bias", None) is None and getattr(module, "w2_bias", None) is None)
 
 
@@ -156,7 +157,7 @@ class PackedExpertsUpdate:
             if layer.done:
                 raise ValueError(f"{name}: sent again after its layer was complete in this update")
             layer.seen.add(name)
-            if layer.staged is None and not layer.done:
+            if layer.staged is None:
                 layer.staged = self._take(layer)
                 for attr, staged, live in zip(("w13_weight", "w2_weight"), layer.staged, layer.live):
                     param = torch.nn.Parameter(staged, requires_grad=False)
