@@ -228,9 +228,13 @@ class TransferSender:
                 self._pipe(updates, pending, totals)
                 count += 1
             t2 = time.perf_counter()
+            while pending:
+                self.engines.wait(pending.pop(0))
+            # only now: requests sent at once may reach an engine in either order, and the closing ones check that
+            # every bucket arrived
             self._pipe(self.wire.closing(), pending, totals)
-            for futures in pending:
-                self.engines.wait(futures)
+            while pending:
+                self.engines.wait(pending.pop(0))
             load_tail = time.perf_counter() - t2
             self.engines.finish_weight_update(version)
         except BaseException:
@@ -253,6 +257,11 @@ class TransferSender:
             pending.append(self.engines.submit("/update_weights", "receiving weights",
                                                json={"update_info": update.info}))
             if update.transmit is not None:
+                # an engine joins this transmit only after answering the previous update, so waiting for that answer
+                # costs nothing; and an update that failed is raised now, not after a transmit that nobody joins
+                # has sat out its timeout
+                while len(pending) > 1:
+                    self.engines.wait(pending.pop(0))
                 try:
                     update.transmit()
                 except Exception as err:

@@ -136,6 +136,37 @@ def test_update_missing_an_expert_weight_fails_naming_the_layer_which_keeps_its_
         engines.close()
 
 
+def test_an_update_refused_mid_stream_over_the_broadcast_is_raised_before_the_next_broadcast(r3_engine,
+                                                                                              tiny_model_dir):
+    """The broadcast wire (two hosts): when the engine refuses one bucket, the sender raises the engine's reason
+    before broadcasting the next (which the engine would never join: the broadcast would sit out its timeout, 20 s
+    here, and leave the group broken). The group stays usable: the next sync goes through the same sender."""
+    import torch
+
+    url = r3_engine.url
+    engines = EngineSet([url], timeout_s=300)
+    sender = TransferSender(engines, GlooWire("127.0.0.1", free_port(), 20, 60, shared_memory=False))
+    bad = "model.layers.1.mlp.experts.3.gate_proj.bias"  # the tiny MoE's experts have no bias
+    buckets = list(buckets_of(tiny_model_dir, 256 * 1024))
+    assert len(buckets) > 4
+    buckets[1] = [*buckets[1], (bad, torch.zeros(4))]
+    try:
+        sync(engines, sender, tiny_model_dir, version=20)
+        before = weight_checksums(url)
+        engines.pause()
+        with pytest.raises(EngineError) as info:
+            sender.send(buckets, 21)
+        engines.resume()
+        text = str(info.value)
+        assert info.value.url == url and f"{bad}: not a per-expert gate/up/down weight" in text, text
+        stats = sync(engines, sender, tiny_model_dir, version=22)
+        assert stats.buckets == len(buckets) and weight_version(url) == "22"
+        assert weight_checksums(url) == before
+    finally:
+        sender.close()
+        engines.close()
+
+
 def test_join_fails_at_once_naming_the_engine_or_the_sender_address(tiny_model_dir, tmp_path):
     """A real engine that is alive but was started without --weight-transfer-config (as an engine attached by URL
     may be) refuses /init_weight_transfer_engine: the sender stops waiting for it at once and names it, instead of
