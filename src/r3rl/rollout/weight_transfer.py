@@ -211,9 +211,9 @@ class TransferSender:
         """Stream ``buckets`` (lists of ``(hf_name, tensor)``) to every engine; the weights are labelled ``version``.
 
         /start_weight_update, then per update of each bucket /update_weights on every engine (with the wire's
-        transmit while it is in flight), then the wire's closing updates, then /finish_weight_update. Pipelined: while the engines load one update
-        the next is produced (at most ``wire.in_flight`` unanswered). The bucket iterator is always run to its end
-        (the trainer's other ranks take part in producing it).
+        transmit while it is in flight), then the wire's closing updates, then /finish_weight_update. Pipelined:
+        while the engines load one update the next is produced (at most ``wire.in_flight`` unanswered). The bucket
+        iterator is always run to its end (the trainer's other ranks take part in producing it).
         """
         start = time.perf_counter()
         it = iter(buckets)
