@@ -74,3 +74,9 @@ def shared_memory_segments(pids) -> set[Path]:
             if path.startswith(("/dev/shm/psm_", "/dev/shm/sem.mp-")) and not path.endswith(" (deleted)"):
                 out.add(Path(path))
     return out
+
+
+def unlink_unmapped(paths) -> None:
+    """Unlink those of ``paths`` that no running process maps any more: what killed processes leave behind."""
+    for path in set(paths) - shared_memory_segments(_all_pids()):
+        path.unlink(missing_ok=True)

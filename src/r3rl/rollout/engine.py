@@ -268,8 +268,7 @@ class VLLMEngine:
         except subprocess.TimeoutExpired:
             pass
         # a killed server never unlinks its message queues' segments: nothing of it maps them any more
-        for path in self._shm - _proctree.shared_memory_segments([os.getpid()]):
-            path.unlink(missing_ok=True)
+        _proctree.unlink_unmapped(self._shm)
         with _live_lock:
             _live_engines.discard(self)
 

@@ -119,9 +119,7 @@ class TwoHosts:
         deadline = time.monotonic() + 10
         while any(_proctree.is_running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        others = [p for p in _proctree._all_pids() if p not in set(pids)]
-        for path in segments - _proctree.shared_memory_segments(others):
-            path.unlink(missing_ok=True)
+        _proctree.unlink_unmapped(segments)
         return pids
 
     def down(self, timeout: float = 30) -> list[str]:
