@@ -6,15 +6,23 @@ weights unpacked and the engine silently serves wrong experts, even after reload
 
 Reached through ``POST /collective_rpc {"method": "r3rl_update_weights_from_hf", "args": [hf_dir]}``; it imports
 nothing of r3rl's client side, so the worker does not load it.
+
+vLLM imports this module in the worker before it builds the worker and its model runner, which makes it the place
+where the CPU profile swaps Model Runner V2's interpreted Triton kernels for torch (``mrv2_cpu_kernels``; only when
+the engine's environment asks for it).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from r3rl.rollout import mrv2_cpu_kernels
 from r3rl.rollout.cpu_experts import MoERepack
+
+mrv2_cpu_kernels.install_from_env()
 
 
 def _iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, Any]]:
@@ -57,3 +65,16 @@ class R3RLWorkerExtension:
         return {"backend": type(engine).__name__ if engine is not None else None,
                 "received_tensors": getattr(engine, "received_tensors", None),
                 "experts_packed_in_place": getattr(engine, "experts_packed_in_place", None)}
+
+    def r3rl_worker_info(self) -> dict[str, Any]:
+        """The worker's process, torch threads and the MRv2 kernels it runs as r3rl's torch stand-ins."""
+        import torch
+
+        return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
+                "stand_ins": mrv2_cpu_kernels.installed()}
+
+    def r3rl_interpreter_clock(self, start: bool) -> dict[str, Any]:
+        """``start``: clock Triton's interpreter from now on; else what it ran since (``bench/cpu_rollout.py``)."""
+        if start:
+            mrv2_cpu_kernels.interpreter_clock.start()
+        return mrv2_cpu_kernels.interpreter_clock.read()

@@ -79,15 +79,20 @@ def test_rows_for_request_aborted_mid_generation_and_none_before_any_token(r3_en
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=300) as c:
             long = asyncio.create_task(c.post(GENERATE_PATH, json=request_body("abort-mid", prompt, sampling, 5)))
+            # company in the batch, so that even a fast engine takes seconds for the 400 tokens (the pause aborts
+            # these too)
+            company = [asyncio.create_task(c.post(GENERATE_PATH, json=request_body(f"company-{i}", p, sampling, i)))
+                       for i, p in enumerate(LONG_PROMPTS * 4)]
             # let it produce some tokens first (poll the engine rather than guess how fast this machine is)
-            for _ in range(300):
-                await asyncio.sleep(0.1)
+            for _ in range(600):
+                await asyncio.sleep(0.05)
                 if metric(await c.get("/metrics"), "vllm:num_requests_running") >= 1:
                     break
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
             assert not long.done()
             assert (await c.post("/pause", params={"mode": "abort"})).status_code == 200
             mid = (await long).json()
+            await asyncio.gather(*company)
             # paused: a new request waits in the engine without being forwarded; abort it there
             queued = asyncio.create_task(c.post(GENERATE_PATH, json=request_body("abort-early", prompt, sampling, 6)))
             await asyncio.sleep(1.0)
@@ -109,12 +114,14 @@ def test_rows_for_request_aborted_mid_generation_and_none_before_any_token(r3_en
 
 @pytest.mark.parametrize("on_abort", ["drop", "regenerate"])
 def test_pause_abort_ends_rollout_and_never_returns_aborted_samples(r3_client_factory, on_abort):
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=24, seed=11)
+    # long enough that, two at a time, the six samples are still generating when the abort comes (the CPU engine
+    # decodes a few hundred steps a second)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=320, seed=11)
 
     async def scenario():
         client = r3_client_factory(on_abort=on_abort, max_concurrency=2)
         task = asyncio.create_task(client.generate(SHORT_PROMPTS, 2, sampling, step=7))
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.0)
         await client.pause_abort()
         if on_abort == "regenerate":
             await asyncio.sleep(0.5)
@@ -187,3 +194,29 @@ def test_attach_mode_uses_running_server_and_never_stops_it(r3_engine, compose_c
     assert attached.pid is None and attached.is_alive() and attached.url == r3_engine.url
     attached.shutdown()
     assert r3_engine.is_alive() and VLLMEngine.attach(r3_engine.url).is_alive()
+
+
+def test_engine_samples_with_r3rls_kernels_and_seeds_repeat(r3_client_factory, r3_engine):
+    """The CPU engine runs MRv2's per-step kernels as r3rl's torch stand-ins, none of them in Triton's interpreter,
+    and a seeded rollout repeats token for token while another seed draws other tokens. Fails if the stand-ins were
+    not installed in the worker (R3RL_MRV2_TORCH_KERNELS dropped from the plan, the worker extension no longer
+    installing them), or if the sampler stopped following the request's seed."""
+
+    def rpc(method: str, *args):
+        reply = httpx.post(f"{r3_engine.url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=60)
+        reply.raise_for_status()
+        return reply.json()["results"][0]
+
+    info = rpc("r3rl_worker_info")
+    assert "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel" in info["stand_ins"]
+    assert "BlockTables.compute_slot_mappings" in info["stand_ins"]
+    rpc("r3rl_interpreter_clock", True)
+    client = r3_client_factory()
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=8, seed=11)
+    first = client.generate_sync(SHORT_PROMPTS, 2, sampling)
+    again = client.generate_sync(SHORT_PROMPTS, 2, sampling)
+    other = client.generate_sync(SHORT_PROMPTS, 2, SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=8, seed=12))
+    interpreted = rpc("r3rl_interpreter_clock", False)["kernels"]
+    assert not set(interpreted) & {name.rsplit(".", 1)[1] for name in info["stand_ins"]}, interpreted
+    assert [s.response_ids.tolist() for s in first] == [s.response_ids.tolist() for s in again]
+    assert [s.response_ids.tolist() for s in first] != [s.response_ids.tolist() for s in other]

@@ -1,0 +1,126 @@
+"""CPU rollout speed: the real engine against ``transformers``' ``generate`` on the same checkpoint, in one run.
+
+    python bench/cpu_rollout.py [--prompts 16] [--samples 8] [--max-tokens 16] [--repeats 2] [override ...]
+
+The engine is the plan's (``rollout=vllm_r3`` by default: routes on, bfloat16, r3rl's CPU environment), started once;
+each timed batch goes through ``RolloutClient`` (HTTP, route decoding and validation included): ``--prompts``
+arithmetic prompts x ``--samples`` samples, ``--max-tokens`` new tokens, temperature 1. ``generate`` gets the same
+prompts repeated ``--samples`` times as one left-padded batch, sampling, the same dtype, and as many torch threads as
+the engine's worker uses. Tokens/s = generated tokens / wall time (median over ``--repeats``).
+
+It also reports the share of the engine worker's time spent in Triton's interpreter during the timed batches (the
+worker clocks every interpreted launch: ``R3RLWorkerExtension.r3rl_interpreter_clock``), and which kernels those
+were. ``override`` (Hydra) changes the engine, e.g. ``'rollout.engine.extra_env={R3RL_MRV2_TORCH_KERNELS: "0"}'``
+for the interpreted kernels. Last line: ``engine/hf generate tokens/s ratio: <r>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from r3rl.config import compose
+from r3rl.config.schema import SamplingConfig
+from r3rl.data.arithmetic import generate_problems
+from r3rl.models.tiny_moe import ensure_checkpoint
+from r3rl.net import free_port
+from r3rl.plan import build_plan
+from r3rl.rollout.client import RolloutClient
+from r3rl.rollout.engine import VLLMEngine
+
+
+def rpc(url: str, method: str, *args) -> object:
+    reply = httpx.post(f"{url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=60)
+    reply.raise_for_status()
+    return reply.json()["results"][0]
+
+
+def engine_rate(cfg, prompts: list[list[int]], samples: int, sampling: SamplingConfig, repeats: int,
+                log_dir: Path) -> dict:
+    launch = build_plan(cfg).engines[0]
+    with VLLMEngine.launch(launch, log_dir, cfg.rollout.engine.startup_timeout_s) as engine:
+        client = RolloutClient.from_config(cfg, [engine.url], progress=False, max_concurrency=len(prompts) * samples)
+        client.generate_sync(prompts, samples, sampling)  # warm-up: every batch shape the timed runs see
+        info = rpc(engine.url, "r3rl_worker_info")
+        rpc(engine.url, "r3rl_interpreter_clock", True)
+        rates, walls = [], 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = client.generate_sync(prompts, samples, sampling)
+            wall = time.perf_counter() - t0
+            walls += wall
+            rates.append(sum(s.response_length for s in out) / wall)
+            assert all(s.routed_experts is not None for s in out) or not cfg.rollout.routing_replay
+        clock = rpc(engine.url, "r3rl_interpreter_clock", False)
+    return {"tok_s": statistics.median(rates), "runs": rates, "threads": info["torch_threads"],
+            "stand_ins": info["stand_ins"], "interpreted_s": clock["seconds"], "wall_s": walls,
+            "kernels": clock["kernels"]}
+
+
+def hf_rate(checkpoint: str, prompts: list[list[int]], samples: int, max_tokens: int, dtype: str, threads: int,
+            repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=getattr(torch, dtype)).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    rows = [p for p in prompts for _ in range(samples)]
+    width = max(len(p) for p in rows)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_tokens,
+                  min_new_tokens=max_tokens, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(ids, **kwargs)  # warm-up
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            rates.append((out.shape[1] - width) * len(rows) / (time.perf_counter() - t0))
+    return {"tok_s": statistics.median(rates), "runs": rates}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for the engine")
+    args = parser.parse_args()
+    cfg = compose(["model=tiny_moe", "rollout=vllm_r3", f"rollout.engine.base_port={free_port()}", *args.overrides])
+    checkpoint = str(ensure_checkpoint(cfg.model))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    prompts = [tok(p["prompt"])["input_ids"] for p in generate_problems(args.prompts, seed=7)]
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=1234)
+    dtype = build_plan(cfg).engine_dtype
+    with tempfile.TemporaryDirectory(prefix="r3rl-bench-") as tmp:
+        engine = engine_rate(cfg, prompts, args.samples, sampling, args.repeats, Path(tmp))
+    hf = hf_rate(checkpoint, prompts, args.samples, args.max_tokens, dtype, engine["threads"], args.repeats)
+
+    print(f"workload: {args.prompts} prompts x {args.samples} samples, {args.max_tokens} new tokens, temperature 1, "
+          f"{dtype}, {engine['threads']} torch thread(s) on both sides, {args.repeats} timed runs each")
+    print(f"engine: MRv2 kernels {'as torch stand-ins' if engine['stand_ins'] else 'in the Triton interpreter'} "
+          f"({len(engine['stand_ins'])} swapped)")
+    for name, r in (("engine (HTTP, routes)", engine), ("hf generate", hf)):
+        runs = ", ".join(f"{x:.0f}" for x in r["runs"])
+        print(f"{name:>22}: {r['tok_s']:8.1f} tokens/s  [{runs}]")
+    share = engine["interpreted_s"] / engine["wall_s"] if engine["wall_s"] else 0.0
+    print(f"worker time in Triton's interpreter during the timed batches: {100 * share:.1f}% "
+          f"({engine['interpreted_s']:.2f} s of {engine['wall_s']:.2f} s)")
+    for name, (calls, seconds) in sorted(engine["kernels"].items(), key=lambda kv: -kv[1][1]):
+        print(f"    {name}: {calls} launches, {seconds:.3f} s")
+    print(f"engine/hf generate tokens/s ratio: {engine['tok_s'] / hf['tok_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
