@@ -50,10 +50,13 @@ def launch(cfg: R3RLConfig) -> None:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+    import importlib
+
+    name = cfg.recipe.name  # validated: grpo or sft
     try:
-        from recipes.grpo import run_recipe
-    except ImportError:
-        print("error: the GRPO recipe (recipes/grpo.py) is not part of this version yet; "
+        module = importlib.import_module(f"recipes.{name}")
+    except ImportError as err:
+        print(f"error: the {name} recipe (recipes/{name}.py) cannot be imported ({err}); "
               "inspect the launch with run.dry_run=true", file=sys.stderr)
         sys.exit(2)
-    run_recipe(cfg)
+    module.run_recipe(cfg)

@@ -41,7 +41,8 @@ ArrayRows = Union[Sequence[np.ndarray], np.ndarray]
 # step logs the first six (r2/ under R2 only, r3/ under R3 only); ``eval/`` points (``r3rl.eval``) come before the
 # first step, every run.eval_every steps and at the end, on the same step numbers.
 STEP_PREFIXES: tuple[str, ...] = ("train", "rollout", "r3", "r2", "rollout_corr", "perf")
-PREFIXES: tuple[str, ...] = (*STEP_PREFIXES, "eval")
+# ``sft/``: a step of the SFT recipe (recipes/sft.py), which logs it with ``perf/`` and its eval points
+PREFIXES: tuple[str, ...] = (*STEP_PREFIXES, "eval", "sft")
 STEP_AXES: dict[str, str] = {prefix: f"{prefix}/step" for prefix in PREFIXES}
 
 LOGPROB_ABS_DIFF = "train/logprob_abs_diff"
@@ -81,6 +82,13 @@ REWARD_MAX = "rollout/reward_max"
 RESPONSE_LENGTH_MEAN = "rollout/response_length_mean"
 RESPONSE_LENGTH_MIN = "rollout/response_length_min"
 RESPONSE_LENGTH_MAX = "rollout/response_length_max"
+# SFT (recipes/sft.py): mean NLL of the response tokens of the step's batch, its gradient norm, and the batch's tokens
+# (prompt + response, as fed) per second of the trainer's step
+SFT_LOSS = "sft/loss"
+SFT_GRAD_NORM = "sft/grad_norm"
+SFT_TOKENS_PER_S = "sft/tokens_per_s"
+SFT_LOSS_TOKENS = "sft/loss_tokens"
+SFT_LR = "sft/lr"
 PERF_TIME = "perf/{stage}_time_s"
 PERF_STEP_TIME = "perf/step_time_s"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"

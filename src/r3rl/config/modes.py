@@ -1,9 +1,11 @@
-"""The names of the replay and correction options, and which routing replay a config runs (``replay.name`` with
-``auto`` resolved against the rollout)."""
+"""The names of the recipe, replay and correction options, and which routing replay a config runs (``replay.name``
+with ``auto`` resolved against the rollout)."""
 
 from __future__ import annotations
 
 REPLAY_NAMES = ("auto", "none", "r2", "r3")
+# the recipes run.py launches (recipes/<name>.py)
+RECIPE_NAMES = ("grpo", "sft")
 # the options of r3rl.train.correction
 CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
 

@@ -171,6 +171,20 @@ class GRPOConfig(Frozen):
 
 
 @dataclass
+class RecipeConfig(Frozen):
+    """Which recipe ``run.py`` launches (``recipe=grpo|sft``); the SFT recipe's own settings are under ``sft``."""
+
+    name: str = "grpo"
+    run_name_suffix: str = ""
+
+
+@dataclass
+class SFTConfig(Frozen):
+    batch_size: int = 64
+    export_dir: str = MISSING
+
+
+@dataclass
 class ReplayConfig(Frozen):
     name: str = "auto"
     run_name_suffix: str = ""
@@ -196,6 +210,8 @@ class DataConfig(Frozen):
     num_generated_prompts: int = 512
     prompt_key: str = "prompt"
     label_key: str = "label"
+    response_key: str = "response"
+    messages_key: str = "messages"
     partial_credit: float = 0.0
     apply_chat_template: bool = True
     max_prompt_length: int = 1024
@@ -279,6 +295,8 @@ class R3RLConfig(Frozen):
     logger: LoggerConfig = MISSING
     ray: RayConfig = field(default_factory=RayConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    recipe: RecipeConfig = MISSING
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -292,4 +310,5 @@ GROUP_SCHEMAS: dict[str, type] = {
     "data": DataConfig,
     "eval": EvalConfig,
     "logger": LoggerConfig,
+    "recipe": RecipeConfig,
 }

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from r3rl.config.modes import CORRECTION_NAMES, REPLAY_NAMES, replay_mode
+from r3rl.config.modes import CORRECTION_NAMES, RECIPE_NAMES, REPLAY_NAMES, replay_mode
 from r3rl.config.schema import R3RLConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -268,6 +268,18 @@ def validate(cfg: R3RLConfig) -> None:
     check(alg.clip_eps_high >= 0, "algorithm.clip_eps_high", f"must be >= 0, got {alg.clip_eps_high}")
     check(not alg.use_kl_loss or alg.kl_coef > 0, "algorithm.kl_coef", "must be > 0 when algorithm.use_kl_loss=true")
 
+    # recipe: grpo (the default) or sft, and SFT's own batch and data
+    check(cfg.recipe.name in RECIPE_NAMES, "recipe", f"must be one of {RECIPE_NAMES}, got {cfg.recipe.name!r}")
+    if cfg.recipe.name == "sft":
+        sft = cfg.sft
+        check(sft.batch_size >= 1 and sft.batch_size % (tr.micro_batch_size * dp) == 0, "sft.batch_size",
+              f"must be a positive multiple of trainer.micro_batch_size x data parallel = {tr.micro_batch_size} x "
+              f"{dp}, got {sft.batch_size}")
+        check(bool(sft.export_dir), "sft.export_dir", "must name the folder the HF checkpoint is written to")
+        from r3rl.data.sft import sft_data_problems
+
+        problems.extend(sft_data_problems(cfg))
+
     # data, logger, run
     check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
     check(0.0 <= cfg.data.partial_credit < 1.0, "data.partial_credit",
@@ -279,6 +291,8 @@ def validate(cfg: R3RLConfig) -> None:
     check(par.gpu_memory_gib is None or par.gpu_memory_gib > 0, "parallelism.gpu_memory_gib",
           f"must be null or > 0, got {par.gpu_memory_gib}")
 
+    problems.extend(checkpoint_problems(m))
+
     # eval sets, their files included: a malformed record is named by file and line here, before launch
     from r3rl.eval.sets import eval_problems
 
@@ -289,6 +303,38 @@ def validate(cfg: R3RLConfig) -> None:
     problems.extend(memory_problems(cfg))
     if problems:
         raise ConfigError(problems)
+
+
+# model.<key> -> the HF config.json field of a Qwen3-MoE checkpoint that must agree with it
+_HF_SHAPE = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+             "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
+             "head_dim": "head_dim", "num_experts": "num_experts", "moe_topk": "num_experts_per_tok",
+             "moe_ffn_hidden_size": "moe_intermediate_size", "vocab_size": "vocab_size"}
+
+
+def checkpoint_problems(model) -> list[tuple[str, str]]:
+    """An existing ``model.checkpoint`` folder not of r3rl's making (a downloaded model, an SFT run's export) whose
+    config.json disagrees with the ``model`` config's shape. A folder r3rl generated is regenerated on a change of
+    shape, and a missing one is reported when the run prepares it (GPU clusters mount it later)."""
+    import json
+    from pathlib import Path
+
+    from r3rl.models.tiny_moe import MARKER
+
+    folder = Path(model.checkpoint)
+    config = folder / "config.json"
+    if not config.is_file() or (model.generate_if_missing and (folder / MARKER).is_file()):
+        return []
+    try:
+        hf = json.loads(config.read_text())
+    except (OSError, ValueError) as err:
+        return [("model.checkpoint", f"{config}: not readable as JSON ({err})")]
+    wrong = [f"{hf_key}={hf[hf_key]} but model.{key}={getattr(model, key)}" for key, hf_key in _HF_SHAPE.items()
+             if hf_key in hf and hf[hf_key] != getattr(model, key)]
+    if wrong:
+        return [("model.checkpoint", f"{config} is not a model={model.name}: {'; '.join(wrong)} (choose the model "
+                                     "config of that checkpoint, or another checkpoint)")]
+    return []
 
 
 def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:

@@ -153,10 +153,12 @@ def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] =
     return path
 
 
-def write_comparison(runs: Sequence[OfflineRun], out_dir: str | Path) -> tuple[Path, Path]:
-    """``<out_dir>/comparison.png`` and ``<out_dir>/comparison.html`` of ``runs``."""
+def write_comparison(runs: Sequence[OfflineRun], out_dir: str | Path,
+                     panels: Sequence[Panel] = PANELS) -> tuple[Path, Path]:
+    """``<out_dir>/comparison.png`` and ``<out_dir>/comparison.html`` of ``runs`` (``panels``: GRPO's by default,
+    ``SFT_PANELS`` for an SFT run)."""
     if not runs:
         raise ValueError("write_comparison: no runs to compare")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return write_png(runs, out / "comparison.png"), write_html(runs, out / "comparison.html")
+    return write_png(runs, out / "comparison.png", panels), write_html(runs, out / "comparison.html", panels)

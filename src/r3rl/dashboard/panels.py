@@ -45,3 +45,13 @@ PANELS: tuple[Panel, ...] = (
     Panel("Perf: time per stage", M.STEP_AXES["perf"], keys=(M.PERF_STEP_TIME,), pattern=r"perf/.+_time_s",
           y_label="seconds"),
 )
+
+# An SFT run (recipes/sft.py): its loss and gradient norm, the same eval panel as GRPO's, and the time per stage.
+SFT_PANELS: tuple[Panel, ...] = (
+    Panel("SFT loss: mean NLL of the response tokens", M.STEP_AXES["sft"], keys=(M.SFT_LOSS,), y_label="nats/token"),
+    Panel("SFT gradient norm", M.STEP_AXES["sft"], keys=(M.SFT_GRAD_NORM,), y_label="global norm"),
+    Panel("Eval accuracy (held-out sets): avg@k and pass@k", M.STEP_AXES["eval"],
+          pattern=r"eval/.+/(avg|pass)@\d+", y_label="share correct"),
+    Panel("Perf: time per stage", M.STEP_AXES["perf"], keys=(M.PERF_STEP_TIME,), pattern=r"perf/.+_time_s",
+          y_label="seconds"),
+)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +18,13 @@ from r3rl.config.schema import DataConfig
 
 _OPS = ("+", "-", "*")
 PROMPT_TEMPLATE = "What is {a} {op} {b}? Think step by step and put the final answer in \\boxed{{}}."
+_PROBLEM = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")
+# The SFT solution of a problem: the equation with its result boxed. Short on purpose: with the tokenizer's
+# end-of-turn token it stays within the CPU profile's 16-token responses (at most 13 tokens), so a model that learnt
+# it is never truncated before the box closes.
+SOLUTION_TEMPLATE = "{a} {op} {b} = \\boxed{{{answer}}}"
+# bumped when the solutions change, so cached SFT files are regenerated (their fingerprint records it)
+SOLUTION_VERSION = 1
 
 
 def draw_problem(rng: random.Random) -> dict[str, str]:
@@ -34,6 +42,68 @@ def generate_problems(num: int, seed: int) -> list[dict[str, str]]:
         raise ValueError(f"data.num_generated_prompts={num}: must be positive to generate prompts")
     rng = random.Random(seed)
     return [draw_problem(rng) for _ in range(num)]
+
+
+def worked_solution(prompt: str) -> tuple[str, str]:
+    """(response, label) for a prompt of ``PROMPT_TEMPLATE``: the equation and its result in ``\\boxed{}``, which
+    ``r3rl.data.reward.math_reward`` grades as correct."""
+    m = _PROBLEM.search(prompt)
+    if m is None:
+        raise ValueError(f"not an arithmetic prompt of r3rl.data.arithmetic: {prompt!r}")
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    answer = a + b if op == "+" else a - b if op == "-" else a * b
+    return SOLUTION_TEMPLATE.format(a=a, op=op, b=b, answer=answer), str(answer)
+
+
+def generate_sft_examples(num: int, seed: int) -> list[dict[str, str]]:
+    """The problems of ``generate_problems(num, seed)`` (the same draw as the prompt file of that seed and count)
+    with a worked solution each: ``{"prompt", "label", "response"}``."""
+    out = []
+    for problem in generate_problems(num, seed):
+        response, label = worked_solution(problem["prompt"])
+        assert label == problem["label"]
+        out.append({**problem, "response": response})
+    return out
+
+
+def sft_fingerprint(data_cfg: DataConfig) -> dict:
+    """What a generated SFT file was made from; a cached file with another fingerprint is regenerated."""
+    return {"generator": "arithmetic_sft", "solution_version": SOLUTION_VERSION, "template": SOLUTION_TEMPLATE,
+            "prompt_template": PROMPT_TEMPLATE, "num": data_cfg.num_generated_prompts, "seed": data_cfg.seed,
+            "keys": [data_cfg.prompt_key, data_cfg.label_key, data_cfg.response_key]}
+
+
+def fingerprint_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p.with_name(p.name + ".r3rl_generated.json")
+
+
+def ensure_sft_data(data_cfg: DataConfig) -> Path:
+    """The SFT file of ``data_cfg``: generated (worked arithmetic solutions) when missing, or regenerated when it
+    is one r3rl made from another fingerprint, with ``data.generate_if_missing``; a file r3rl did not make is used
+    as it is and never overwritten."""
+    path = Path(data_cfg.path)
+    marker = fingerprint_path(path)
+    fingerprint = sft_fingerprint(data_cfg)
+    if path.is_file():
+        if not marker.is_file() or not data_cfg.generate_if_missing:
+            return path
+        if json.loads(marker.read_text()) == fingerprint:
+            return path
+    elif not data_cfg.generate_if_missing:
+        raise FileNotFoundError(
+            f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
+            f"holding '{data_cfg.prompt_key}' and '{data_cfg.response_key}' (or '{data_cfg.messages_key}'), or use "
+            f"data=arithmetic_sft, which generates its records."
+        )
+    examples = generate_sft_examples(data_cfg.num_generated_prompts, data_cfg.seed)
+    for ex in examples:  # the response under its configured key (write_jsonl renames prompt and label)
+        ex[data_cfg.response_key] = ex.pop("response")
+    out = write_jsonl(examples, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(json.dumps(fingerprint, sort_keys=True))
+    os.replace(tmp, marker)
+    return out
 
 
 def generate_heldout(num: int, seed: int, exclude: Iterable[str]) -> list[dict[str, str]]:

@@ -76,8 +76,9 @@ def ensure_heldout(s: EvalSetConfig, data: DataConfig) -> Path:
     path = Path(s.path)
     if path.is_file() or not s.generate_if_missing:
         return path
-    training = {prompt for _, prompt, _ in read_prompt_rows(Path(data.path), data.prompt_key, data.label_key)
-                if isinstance(prompt, str)}
+    from r3rl.data.sft import prompt_texts  # GRPO's prompt files and SFT's prompt/response files alike
+
+    training = prompt_texts(data)
     problems = generate_heldout(s.num_generated_prompts, s.seed, training)
     return write_jsonl(problems, path, prompt_key=s.prompt_key, label_key=s.label_key)
 

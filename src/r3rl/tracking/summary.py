@@ -20,7 +20,7 @@ from r3rl import metrics as M
 KEY_METRICS: tuple[str, ...] = (
     M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.TOKEN_MULT_PROB_ERROR, M.K3_KL, M.ROUTING_FLIP_RATE,
     M.REPLAY_MISMATCH_ROWS, M.REWARD_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS, M.GRAD_NORM, M.PERF_STEP_TIME,
-    M.PERF_TOKENS_PER_S,
+    M.PERF_TOKENS_PER_S, M.SFT_LOSS, M.SFT_GRAD_NORM, M.SFT_TOKENS_PER_S,
 )
 REPLAY_RATIO = "logprob_abs_diff replay / no replay"
 # the eval figures of every set a run logged (eval/<set>/avg@k, pass@k, truncated_share), after the key metrics

@@ -29,6 +29,8 @@ class Optimizer(Protocol):
 
 
 def total_optimizer_steps(cfg: R3RLConfig) -> int:
+    if cfg.recipe.name == "sft":  # one optimizer step per run step
+        return cfg.run.num_steps
     alg = cfg.algorithm
     per_rollout = max(alg.rollout_batch_size * alg.n_samples_per_prompt // alg.global_batch_size, 1)
     return cfg.run.num_steps * per_rollout

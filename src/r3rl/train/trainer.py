@@ -17,7 +17,7 @@ import torch
 
 from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
-from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim
+from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim, sft
 from r3rl.train import model as model_lib
 from r3rl.train.batch import MicroBatch, RouteShape, build_micro_batch, plan_micro_batches, plan_token_micro_batches
 from r3rl.train.layout import TokenLayout
@@ -343,10 +343,11 @@ class MegatronTrainer:
 
     def _accumulate(self, samples: Sequence[Sample], indices: list[int], per_token: dict[str, list[np.ndarray]],
                     routes: list[np.ndarray] | None, replay: bool,
-                    probe: RouteProbe | None = None) -> tuple[torch.Tensor, int]:
+                    probe: RouteProbe | None = None, objective: str = "grpo") -> tuple[torch.Tensor, int]:
         """Forward/backward over one global batch into the DDP grad buffers, then reduce and normalise them by the
         global loss-token count. Returns the summed loss terms and the backward-replay entries left unconsumed.
-        ``probe`` checks, in these training forwards, that the routing maps used were the replayed routes."""
+        ``probe`` checks, in these training forwards, that the routing maps used were the replayed routes.
+        ``objective``: ``grpo`` (the policy loss) or ``sft`` (the NLL of the loss-mask tokens)."""
         from megatron.core.distributed import finalize_model_grads
 
         alg = self.cfg.algorithm
@@ -355,6 +356,8 @@ class MegatronTrainer:
 
         def loss(token_lp: torch.Tensor, mb: MicroBatch) -> grpo.LossTerms:
             p = mb.per_token
+            if objective == "sft":
+                return sft.nll_loss(token_lp, p["loss_mask"])
             return grpo.policy_loss(token_lp, p["old_logprobs"], p["advantages"], p["loss_mask"],
                                     clip_low=alg.clip_eps_low, clip_high=alg.clip_eps_high,
                                     ref_logprobs=p.get("ref_logprobs"),
@@ -498,6 +501,41 @@ class MegatronTrainer:
         return {"grads": grads, "loss": float(sums[0]) / max(float(sums[5]), 1.0),
                 "replay_backward_unconsumed": left,
                 "replay_queue_after": self.replay.pending() if self.replay is not None else 0}
+
+    # ------------------------------------------------------------------------------------------------ SFT
+
+    def _sft_accumulate(self, samples: Sequence[Sample]) -> torch.Tensor:
+        if not samples:
+            raise ValueError("SFT: no samples")
+        masks = [np.asarray(s.loss_mask, dtype=np.float32) for s in samples]
+        bad = [i for i, (m, s) in enumerate(zip(masks, samples)) if m.shape != (s.response_length,)]
+        if bad:
+            raise ValueError(f"loss_mask of samples {bad[:5]} do not have one value per response token")
+        sums, _ = self._accumulate(samples, list(range(len(samples))), {"loss_mask": masks}, None, False,
+                                   objective="sft")
+        return sums
+
+    def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning on ``samples`` (all of them one batch): the mean negative
+        log-likelihood of the tokens their loss masks select (the response tokens; prompt positions never count),
+        over the whole batch, in micro batches as ``train_step`` forms them (``trainer.micro_batch_size`` or
+        ``trainer.max_tokens_per_micro_batch``). Live routing: there are no rollout routes to replay."""
+        sums = self._sft_accumulate(samples)
+        lr = optim.lr_at(self.optimizer_step, self.total_steps, self.cfg.trainer.lr, self.cfg.trainer.min_lr)
+        self.optimizer.set_lr(lr)
+        ok, norm = self.optimizer.step()
+        self.optimizer_step += 1
+        tokens = float(sums[5])
+        return {"loss": float(sums[0]) / max(tokens, 1.0), "grad_norm": float(norm), "loss_tokens": tokens,
+                "lr": lr, "skipped_steps": float(not ok), "step": float(self.optimizer_step)}
+
+    def sft_gradients(self, samples: Sequence[Sample]) -> dict[str, Any]:
+        """The reduced gradients (``main_grad`` per parameter name) and loss of one ``sft_step`` batch, without an
+        optimizer step."""
+        sums = self._sft_accumulate(samples)
+        grads = {n: p.main_grad.detach().clone().cpu() for n, p in self.bare.named_parameters()}
+        self.model.zero_grad_buffer()
+        return {"grads": grads, "loss": float(sums[0]) / max(float(sums[5]), 1.0), "loss_tokens": float(sums[5])}
 
     # ------------------------------------------------------------------------------------------------ weights
 

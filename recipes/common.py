@@ -1,0 +1,266 @@
+"""What every recipe runs on, set up and torn down the same way: Ray, the Megatron trainer ranks, the vLLM engines
+with their weight sync, the eval sets, W&B, checkpoints, SIGTERM, and the end-of-run summary and plots.
+
+A recipe (``recipes/grpo.py``, ``recipes/sft.py``) subclasses ``Recipe`` and reads top to bottom: its ``setup()``
+calls ``prepare()`` then ``start()``, its ``train()`` is its own loop, and ``run()`` launches it from ``run.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from r3rl import checkpoint
+from r3rl.config.schema import R3RLConfig
+from r3rl.dashboard.local import write_comparison
+from r3rl.dashboard.panels import PANELS, Panel
+from r3rl.eval.runner import EvalInterrupted, Evaluator
+from r3rl.eval.sets import eval_due, load_sets
+from r3rl.models.tiny_moe import ensure_checkpoint
+from r3rl.orchestration.groups import EngineGroup, TrainerGroup
+from r3rl.orchestration.ray_cluster import start_or_attach
+from r3rl.plan import WandbNaming, build_plan, weight_sync_backend
+from r3rl.rollout.engine import EngineError
+from r3rl.rollout.weight_transfer import EngineSet
+from r3rl.rollout.weights import update_weights_from_hf
+from r3rl.tracking.finished import finished_step, report_finished
+from r3rl.tracking.offline_reader import read_runs
+from r3rl.tracking.summary import print_summary
+from r3rl.tracking.wandb_logger import WandbLogger
+
+console = Console()
+
+
+class StopRequested(Exception):
+    """SIGTERM arrived (Slurm preemption, scancel): checkpoint and leave."""
+
+
+class Recipe:
+    """The parts both recipes share. Subclasses set ``self.dataset`` (with ``state_dict``/``load_state_dict``)
+    before ``start()`` and implement ``setup()`` and ``train()``."""
+
+    # the dashboard panels of this recipe's runs
+    panels: Sequence[Panel] = PANELS
+
+    def __init__(self, cfg: R3RLConfig):
+        self.cfg = cfg
+        self.plan = build_plan(cfg)
+        self.run_dir = Path(cfg.run.output_dir).resolve()
+        self.cluster = self.trainers = self.engines = self.logger = self.engine_set = self.evaluator = None
+        self.dataset = None
+        self.history: list[dict[str, float]] = []
+        self.colocated = self.plan.placement.colocated
+        self.engines_asleep = False
+        self.engine_version: int | None = None  # the weight version the engines serve (None: the HF checkpoint's)
+        self.stop = False
+        self.unlogged: dict[str, float] | None = None  # a step's metrics whose eval point SIGTERM interrupted
+        self.start_step = 1
+
+    # ------------------------------------------------------------------ setup
+    def prepare(self) -> tuple[Path | None, checkpoint.CheckpointMeta | None]:
+        """SIGTERM handling, the run folder, the model checkpoint and its tokenizer, the eval sets and the checkpoint
+        to resume from: everything before a process starts. Returns (checkpoint folder, its meta) or (None, None)."""
+        cfg = self.cfg
+        # from here on SIGTERM (Slurm preemption, scancel) ends the run at the next step boundary with a checkpoint
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # one line per HTTP request drowns the progress bars
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model_dir = ensure_checkpoint(cfg.model)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        resume_from = checkpoint.latest(self.run_dir) if cfg.run.resume else None
+        meta = checkpoint.read_meta(resume_from) if resume_from else None
+        self.start_step = (meta.step if meta else 0) + 1
+        self.unlogged = meta.unlogged_metrics if meta else None
+        return resume_from, meta
+
+    def start(self, resume_from: Path | None, meta: checkpoint.CheckpointMeta | None, *, engines: bool = True,
+              wandb: WandbNaming | None = None) -> None:
+        """Ray, the trainer ranks (restored from ``resume_from``), the engines with the evaluator and the weight sync
+        (``engines``; a resumed run's engines get its weights), the process table and the W&B run."""
+        cfg = self.cfg
+        if meta is not None:
+            self.dataset.load_state_dict(meta.data_state)
+        eval_sets = load_sets(cfg, self.tokenizer) if engines and cfg.run.eval_every > 0 else []
+        self.cluster = start_or_attach(cfg, self.plan)
+        with console.status("starting trainer ranks"):
+            self.trainers = TrainerGroup(cfg, self.plan, loopback=self.cluster.started_here)
+        if resume_from is not None:
+            self.trainers.call("load_checkpoint", resume_from / "trainer")
+        if engines:
+            with console.status(f"starting {len(self.plan.engines) or 1} vLLM engine(s)"):
+                self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
+            self.evaluator = Evaluator.from_config(cfg, eval_sets, self.engines.urls, self.tokenizer, console)
+            self.engines_started()
+        self._write_process_table()
+        if engines:
+            self.open_weight_sync()
+            if meta is not None:  # engines load the HF checkpoint; a resumed policy has moved on from it
+                self.sync_weights(version=meta.step)
+        self.logger = WandbLogger(cfg, wandb or self.plan.wandb, self.run_dir,
+                                  resume_id=meta.wandb_run_id if meta else None)
+        # again: ray.init installs its own SIGTERM handler in the driver (it aborts the process)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if meta is not None:
+            console.print(f"resumed from step {meta.step} ({resume_from})")
+
+    def engines_started(self) -> None:
+        """Called once the engines answer, before the weight sync opens (GRPO: its rollout client)."""
+
+    def _write_process_table(self) -> None:
+        """What this run started, by PID, so operators and tests can check that all of it is gone afterwards."""
+        engines = [] if self.engines is None else \
+            (self.engines.info or [{"url": u, "pid": None} for u in self.engines.urls])
+        table = {
+            "driver_pid": os.getpid(),
+            "ray_temp_dir": str(self.cluster.temp_dir) if self.cluster.temp_dir else None,
+            "trainers": self.trainers.devices,
+            "engines": engines,
+        }
+        (self.run_dir / "processes.json").write_text(json.dumps(table, indent=2))
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop = True
+        # a step in flight completes first (Slurm's --signal=B:TERM@120 leaves time for one step)
+        console.print("[yellow]SIGTERM: finishing this step, then checkpointing[/]")
+
+    # ------------------------------------------------------------------ eval
+    def eval_before_training(self) -> None:
+        """The baseline (weights before any step), or the eval point SIGTERM interrupted before the checkpoint this
+        run resumed from; each is logged once, at its step."""
+        if self.start_step == 1 and eval_due(self.cfg, 0):
+            self.log_with_eval(0, {})
+        elif self.unlogged is not None:
+            step = self.start_step - 1
+            console.print(f"redoing the eval of step {step} that SIGTERM interrupted")
+            self.log_with_eval(step, self.unlogged)
+            folder = checkpoint.latest(self.run_dir)
+            checkpoint.update_meta(folder, dataclasses.replace(checkpoint.read_meta(folder), unlogged_metrics=None))
+        if self.unlogged is not None:  # interrupted again: the checkpoint still holds them
+            raise StopRequested(self.start_step - 1)
+
+    def log_with_eval(self, step: int, values: dict[str, float]) -> None:
+        """Log ``step``'s metrics, with its eval point when one is due; an interrupted eval keeps them unlogged
+        (``self.unlogged``) for the checkpoint, so the resumed run logs the step once, eval included."""
+        self.unlogged = None
+        if eval_due(self.cfg, step):
+            try:
+                self.before_eval(step)
+                values = {**values, **self.evaluator.evaluate(step, stop=lambda: self.stop)}
+            except EvalInterrupted:
+                console.print(f"[yellow]SIGTERM: eval of step {step} abandoned; it is redone after resume[/]")
+                self.unlogged = dict(values)
+                return
+            finally:
+                self.after_eval(step)
+        self.logger.log(values, step=step)
+        self.history.append({"step": step, **values})
+
+    def before_eval(self, step: int) -> None:
+        """Make the engines serve the weights after ``step`` (GRPO's engines always do: they sync every step)."""
+
+    def after_eval(self, step: int) -> None:
+        """Hand the devices back to training after an eval point (colocated SFT: the engines sleep again)."""
+
+    # ------------------------------------------------------------------ weight sync
+    def open_weight_sync(self) -> None:
+        """Join the trainer's sender and every engine worker in one transfer group (once; ``disk`` needs none)."""
+        self.weight_sync = weight_sync_backend(self.cfg)
+        self.engine_set = EngineSet(self.engines.urls, self.cfg.rollout.engine.request_timeout_s)
+        if self.weight_sync == "disk":
+            return
+        self.trainers.open_weight_transfer(self.engines.urls, backend=self.weight_sync,
+                                           loopback=self.cluster.started_here,
+                                           timeout_s=self.cfg.rollout.engine.request_timeout_s,
+                                           bucket_bytes=int(self.cfg.rollout.weight_sync.bucket_mb * (1 << 20)))
+
+    def sync_weights(self, version: int) -> None:
+        """pause (colocated: wake the sleeping engines' weights only) -> start -> one broadcast per bucket into every
+        engine -> finish(version) -> (colocated: wake the KV cache) -> reset prefix cache -> resume."""
+        asleep, self.engines_asleep = self.engines_asleep, False
+        if asleep:
+            self.engine_set.wake_up(["weights"])
+        if self.weight_sync == "disk":  # pause, load, reset, label and resume per engine (r3rl.rollout.weights)
+            exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
+            for url in self.engines.urls:
+                update_weights_from_hf(url, exported, version)
+        else:
+            if not asleep:  # sleeping engines were paused by /sleep
+                self.engine_set.pause()
+            self.trainers.send_weights(version)
+        if asleep:
+            self.engine_set.wake_up(["kv_cache"])
+        if self.weight_sync != "disk":
+            self.engine_set.reset_prefix_cache()
+            self.engine_set.resume()
+        self.engine_version = version
+
+    # ------------------------------------------------------------------ save / cleanup
+    def save(self, step: int) -> Path:
+        meta = checkpoint.CheckpointMeta(step=step, wandb_run_id=self.logger.run_id if self.logger else None,
+                                         data_state=self.dataset.state_dict(), weight_version=step,
+                                         unlogged_metrics=self.unlogged)
+        return checkpoint.save(self.run_dir, meta, lambda d: self.trainers.call("save_checkpoint", d / "trainer", {}))
+
+    def cleanup(self) -> None:
+        if self.engine_set is not None:
+            self.engine_set.close()
+        for part in (self.engines, self.trainers):
+            if part is not None:
+                part.shutdown()
+        if self.logger is not None:
+            self.logger.finish()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+
+    def report(self) -> None:
+        """After the run: the summary table, where the files are, the plots."""
+        if self.history:
+            print_summary(self.history, console=Console(width=160))
+        console.print(f"run folder: {self.run_dir}")
+        if self.plan.wandb.mode != "disabled" and self.history:
+            png, html = write_comparison(read_runs(self.run_dir), self.run_dir / "plots", self.panels)
+            console.print(f"W&B files: {self.run_dir / 'wandb'}\nplots: {png} and {html}\n"
+                          f"compare with another run: python -m r3rl.dashboard --runs {self.run_dir} <other run "
+                          f"folder> --out <folder>")
+
+
+def run(make: Callable[[R3RLConfig], Recipe], cfg: R3RLConfig, on_finished: Callable[[R3RLConfig], None] | None = None
+        ) -> None:
+    """Launch a recipe: report a run that already finished, else set up, train, clean up and report; exit 143 after
+    SIGTERM (checkpoint written) and 1 after an engine failure."""
+    done = finished_step(cfg)
+    if done is not None:  # run.py settles this before Hydra starts; a sweep's job or an in-process caller here
+        report_finished(cfg, done)
+        if on_finished is not None:
+            on_finished(cfg)
+        return
+    recipe = make(cfg)
+    code = 0
+    try:
+        recipe.setup()
+        recipe.train()
+    except StopRequested as stop:
+        console.print(f"[yellow]stopped by SIGTERM after step {stop.args[0]}; checkpoint "
+                      f"{checkpoint.latest(recipe.run_dir)}. Run the same command to resume.[/]")
+        code = 143
+    except EngineError as err:
+        console.print(f"[red]error: {err}[/]")
+        console.print(f"last checkpoint: {checkpoint.latest(recipe.run_dir) or 'none'}; engine logs: "
+                      f"{recipe.run_dir / 'logs'}")
+        code = 1
+    finally:
+        recipe.cleanup()
+    recipe.report()
+    if code:
+        sys.exit(code)
