@@ -78,17 +78,18 @@ def test_rows_for_request_aborted_mid_generation_and_none_before_any_token(r3_en
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            generated = metric(await c.get("/metrics"), "vllm:generation_tokens_total")
             long = asyncio.create_task(c.post(GENERATE_PATH, json=request_body("abort-mid", prompt, sampling, 5)))
             # company in the batch, so that even a fast engine takes seconds for the 400 tokens (the pause aborts
             # these too)
             company = [asyncio.create_task(c.post(GENERATE_PATH, json=request_body(f"company-{i}", p, sampling, i)))
                        for i, p in enumerate(LONG_PROMPTS * 4)]
-            # let it produce some tokens first (poll the engine rather than guess how fast this machine is)
-            for _ in range(600):
-                await asyncio.sleep(0.05)
-                if metric(await c.get("/metrics"), "vllm:num_requests_running") >= 1:
+            # abort once the batch has produced a few tokens each (poll the engine rather than guess how fast this
+            # machine is): about 1% of the 13 x 400 it was asked for
+            for _ in range(1500):
+                await asyncio.sleep(0.02)
+                if metric(await c.get("/metrics"), "vllm:generation_tokens_total") - generated >= 40:
                     break
-            await asyncio.sleep(0.2)
             assert not long.done()
             assert (await c.post("/pause", params={"mode": "abort"})).status_code == 200
             mid = (await long).json()
