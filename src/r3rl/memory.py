@@ -21,7 +21,19 @@ Rollout engine (vLLM) GPU: ``gpu_memory_utilization x GPU memory`` is the whole 
 in what is left), or weights + ``kv_cache_memory_bytes`` when that is set. Weights: dense layers split over the
 engine's tensor parallel, experts over tensor x data parallel with ``--enable-expert-parallel``.
 
-Colocated GPUs hold one trainer rank and one engine share at once (as long as engines do not sleep).
+Colocated GPUs hold one trainer rank and one engine share at once (as long as engines do not sleep). The engine
+share is ``rollout.engine.gpu_memory_utilization`` when set, else the parallelism group's
+``parallelism.rollout.gpu_memory_utilization`` (each layout carries the share that suits it).
+
+Host memory, per node (``parallelism.host_memory_gib``), pinned and pageable apart:
+- each trainer rank's offloaded optimizer (Megatron's ``HybridDeviceOptimizer`` over ``optimizer_offload_fraction``
+  of the rank's optimizer shard): the pinned float32 gradient copy it steps from (4 B/param), the float32 parameters
+  the CPU AdamW updates (4 B/param: pageable with ``precision_aware_optimizer``, where the hybrid makes them with
+  ``.float()`` from a bf16 shard; pinned otherwise, a ``pin_memory()`` copy of the float32 main shard) and Adam's two
+  moments (8 B/param, pageable): 16 B/param in all;
+- colocated with ``rollout.weight_sync.sleep_level=1``: each engine GPU's weights, which vLLM's sleep mode backs up
+  in pinned host memory;
+- runtime: Python, torch and the CUDA runtime's host side, a fixed allowance per trainer rank and engine GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +46,10 @@ GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # CUDA context, NCCL communicators and allocator fragmentation on a trainer GPU
 RUNTIME_BYTES = 2 * GIB
+# host memory of one process (trainer rank, engine GPU worker): Python, torch, the CUDA runtime's host side
+HOST_RUNTIME_BYTES = 4 * GIB
+# bytes per offloaded parameter Megatron's HybridDeviceOptimizer keeps in host memory (see the module docstring)
+HOST_GRAD_BYTES, HOST_PARAM_BYTES, HOST_MOMENT_BYTES = 4, 4, 8
 
 
 @dataclass(frozen=True)
@@ -79,15 +95,49 @@ class GpuMemory:
 
 
 @dataclass(frozen=True)
+class HostPart:
+    name: str
+    bytes: int
+    pinned: bool  # page-locked (cudaHostAlloc / pin_memory): cannot be swapped, counts against locked memory
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """One node's host memory: what its trainer ranks and engine GPUs put there."""
+
+    node: int
+    parts: tuple[tuple[str, HostPart], ...]  # (role, part), summed over the node's ranks / engine GPUs
+
+    @property
+    def pinned(self) -> int:
+        return sum(p.bytes for _, p in self.parts if p.pinned)
+
+    @property
+    def pageable(self) -> int:
+        return sum(p.bytes for _, p in self.parts if not p.pinned)
+
+    @property
+    def total(self) -> int:
+        return self.pinned + self.pageable
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     gpus: tuple[GpuMemory, ...]
     budget_bytes: int | None  # parallelism.gpu_memory_gib, None: not checked
-    host_offload_bytes: int  # per trainer rank, optimizer state moved to host memory
+    host_offload_bytes: int  # per trainer rank, optimizer state (and the gradients it steps from) in host memory
+    hosts: tuple[HostMemory, ...] = ()
+    host_budget_bytes: int | None = None  # parallelism.host_memory_gib, None: not checked
 
     def over_budget(self) -> list[GpuMemory]:
         if self.budget_bytes is None:
             return []
         return [g for g in self.gpus if g.total > self.budget_bytes]
+
+    def hosts_over_budget(self) -> list[HostMemory]:
+        if self.host_budget_bytes is None:
+            return []
+        return [h for h in self.hosts if h.total > self.host_budget_bytes]
 
 
 def micro_batch_tokens(cfg: R3RLConfig) -> int:
@@ -95,6 +145,52 @@ def micro_batch_tokens(cfg: R3RLConfig) -> int:
     if tr.max_tokens_per_micro_batch is not None:
         return tr.max_tokens_per_micro_batch
     return tr.micro_batch_size * cfg.rollout.engine.max_model_len
+
+
+def engine_memory_share(cfg: R3RLConfig) -> float:
+    """The engines' ``--gpu-memory-utilization``: ``rollout.engine.gpu_memory_utilization`` when set, else the
+    parallelism group's ``parallelism.rollout.gpu_memory_utilization``."""
+    share = cfg.rollout.engine.gpu_memory_utilization
+    return cfg.parallelism.rollout.gpu_memory_utilization if share is None else share
+
+
+def engine_memory_share_key(cfg: R3RLConfig) -> str:
+    """The key that set the engines' share (the one to change)."""
+    return "rollout.engine.gpu_memory_utilization" if cfg.rollout.engine.gpu_memory_utilization is not None \
+        else "parallelism.rollout.gpu_memory_utilization"
+
+
+def trainer_host_parts(cfg: R3RLConfig, params_dtype: str) -> list[HostPart]:
+    """One trainer rank's host memory: its offloaded optimizer shard (16 B/param) and the process's allowance."""
+    shard, on_host = _optimizer_shard(cfg), _on_host(cfg)
+    n = shard * on_host
+    params_pinned = not (cfg.trainer.precision_aware_optimizer and params_dtype != "float32")
+    parts = [HostPart("offloaded gradients (fp32)", int(n * HOST_GRAD_BYTES), True),
+             HostPart("offloaded fp32 parameters", int(n * HOST_PARAM_BYTES), params_pinned),
+             HostPart("offloaded Adam moments", int(n * HOST_MOMENT_BYTES), False),
+             HostPart("runtime", HOST_RUNTIME_BYTES if cfg.parallelism.device == "cuda" else 0, False)]
+    return [p for p in parts if p.bytes or p.name == "runtime"]
+
+
+def _optimizer_shard(cfg: R3RLConfig) -> float:
+    """Parameters of one trainer rank's optimizer shard (dense over DP x CP, experts over expert-data parallel)."""
+    m, t, tr = cfg.model, cfg.parallelism.trainer, cfg.trainer
+    tp, pp, ep, cp, etp = (t.tensor_parallel, t.pipeline_parallel, t.expert_parallel, t.context_parallel,
+                           t.expert_tensor_parallel)
+    counts = param_counts(m)
+    layers = -(-m.num_layers // pp)
+    dense = layers * counts.dense_per_layer // tp + counts.embeddings // tp
+    experts = layers * counts.experts_per_layer // (ep * etp)
+    if not tr.use_distributed_optimizer:
+        return dense + experts
+    dp = max(t.num_gpus // (tp * pp * cp), 1) * cp
+    edp = max(t.num_gpus // (ep * etp * pp), 1)
+    return dense / dp + experts / edp
+
+
+def _on_host(cfg: R3RLConfig) -> float:
+    tr = cfg.trainer
+    return tr.optimizer_offload_fraction if tr.optimizer_cpu_offload else 0.0
 
 
 def trainer_parts(cfg: R3RLConfig, params_dtype: str) -> tuple[list[Part], int]:
@@ -116,7 +212,10 @@ def trainer_parts(cfg: R3RLConfig, params_dtype: str) -> tuple[list[Part], int]:
     expert_shard = experts / edp if distributed else experts
     master_width = 4 if width != 4 else 0
     shard = dense_shard + expert_shard
-    on_host = tr.optimizer_offload_fraction if tr.optimizer_cpu_offload else 0.0
+    on_host = _on_host(cfg)
+    # without the precision-aware optimizer Megatron's distributed optimizer keeps its float32 main shards on the GPU
+    # whatever it offloads (the hybrid optimizer steps a pinned host copy of them)
+    master_on_gpu = 1.0 if tr.optimizer_cpu_offload and not tr.precision_aware_optimizer else 1 - on_host
 
     tokens = micro_batch_tokens(cfg) / cp
     if t.sequence_parallel:
@@ -138,13 +237,13 @@ def trainer_parts(cfg: R3RLConfig, params_dtype: str) -> tuple[list[Part], int]:
     parts = [
         Part("weights", int(local * width)),
         Part("gradients", int(local * 4)),
-        Part("master weights", int(shard * master_width * (1 - on_host))),
+        Part("master weights", int(shard * master_width * master_on_gpu)),
         Part("optimizer state", int(shard * 8 * (1 - on_host))),
         Part("activations", int(activations)),
         Part("logits", int(logits)),
         Part("runtime", RUNTIME_BYTES if cfg.parallelism.device == "cuda" else 0),
     ]
-    return parts, int(shard * (master_width + 8) * on_host)
+    return parts, int(shard * (HOST_GRAD_BYTES + HOST_PARAM_BYTES + HOST_MOMENT_BYTES) * on_host)
 
 
 def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -> list[Part]:
@@ -158,22 +257,50 @@ def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -
         return [Part("engine weights", weights), Part("engine KV cache", eng.kv_cache_memory_bytes)]
     if budget_bytes is None:
         return [Part("engine weights", weights)]
-    share = int(eng.gpu_memory_utilization * budget_bytes)
+    share = int(engine_memory_share(cfg) * budget_bytes)
     return [Part("engine weights", weights), Part("engine KV cache + runtime", max(share - weights, 0))]
+
+
+def host_memory(cfg: R3RLConfig, trainer_dtype: str, engine_weights: int) -> tuple[HostMemory, ...]:
+    """Per node, the host memory of the trainer ranks and engine GPUs placed there (placement's node-major order:
+    the trainer takes the first GPUs, disaggregated engines the next ones, colocated engines the trainer's)."""
+    par = cfg.parallelism
+    n_train, n_roll = par.trainer.num_gpus, par.rollout.num_gpus
+    rollout_start = 0 if par.colocated else n_train
+    rank = trainer_host_parts(cfg, trainer_dtype)
+    backup = par.colocated and par.device == "cuda" and cfg.rollout.weight_sync.sleep_level == 1
+    out = []
+    for node in range(par.nnodes):
+        gpus = range(node * par.gpus_per_node, (node + 1) * par.gpus_per_node)
+        ranks = sum(1 for g in gpus if g < n_train)
+        engine_gpus = sum(1 for g in gpus if rollout_start <= g < rollout_start + n_roll)
+        parts: list[tuple[str, HostPart]] = [("trainer", HostPart(p.name, p.bytes * ranks, p.pinned))
+                                             for p in rank if ranks]
+        if engine_gpus:
+            if backup:
+                parts.append(("rollout", HostPart("engine weights (sleep level 1 backup)",
+                                                  engine_weights * engine_gpus, True)))
+            parts.append(("rollout", HostPart("runtime", HOST_RUNTIME_BYTES * engine_gpus
+                                              if par.device == "cuda" else 0, False)))
+        out.append(HostMemory(node, tuple(parts)))
+    return tuple(out)
 
 
 def estimate(cfg: R3RLConfig, trainer_dtype: str, engine_dtype: str) -> MemoryPlan:
     par = cfg.parallelism
     budget = int(par.gpu_memory_gib * GIB) if par.gpu_memory_gib is not None else None
+    host_budget = int(par.host_memory_gib * GIB) if par.host_memory_gib is not None else None
     trainer, offloaded = trainer_parts(cfg, trainer_dtype)
     engine = engine_parts(cfg, engine_dtype, budget)
+    hosts = host_memory(cfg, trainer_dtype, next(p.bytes for p in engine if p.name == "engine weights"))
     if par.colocated:
         gpus = (GpuMemory("colocated", par.trainer.num_gpus,
                           tuple(("trainer", p) for p in trainer) + tuple(("rollout", p) for p in engine)),)
     else:
         gpus = (GpuMemory("trainer", par.trainer.num_gpus, tuple(("trainer", p) for p in trainer)),
                 GpuMemory("rollout", par.rollout.num_gpus, tuple(("rollout", p) for p in engine)))
-    return MemoryPlan(gpus=gpus, budget_bytes=budget, host_offload_bytes=offloaded)
+    return MemoryPlan(gpus=gpus, budget_bytes=budget, host_offload_bytes=offloaded, hosts=hosts,
+                      host_budget_bytes=host_budget)
 
 
 def engine_weights_fit(cfg: R3RLConfig, plan: MemoryPlan) -> bool:
@@ -182,7 +309,7 @@ def engine_weights_fit(cfg: R3RLConfig, plan: MemoryPlan) -> bool:
     if plan.budget_bytes is None or eng.kv_cache_memory_bytes is not None:
         return True
     weights = sum(p.bytes for g in plan.gpus for r, p in g.parts if p.name == "engine weights") // len(plan.gpus)
-    return weights < eng.gpu_memory_utilization * plan.budget_bytes
+    return weights < engine_memory_share(cfg) * plan.budget_bytes
 
 
 # keys that shrink a trainer GPU, named when a plan does not fit
@@ -190,7 +317,22 @@ TRAINER_FIXES = ("trainer.optimizer_cpu_offload=true", "trainer.recompute_granul
                  "trainer.max_tokens_per_micro_batch / trainer.micro_batch_size (smaller)",
                  "parallelism.trainer.expert_parallel / tensor_parallel (larger)",
                  "parallelism.trainer.num_gpus (more)", "parallelism.gpu_memory_gib (if the GPUs are larger)")
-ENGINE_FIXES = ("rollout.engine.gpu_memory_utilization (smaller on colocated GPUs)",)
+ENGINE_FIXES = ("rollout.engine.gpu_memory_utilization or parallelism.rollout.gpu_memory_utilization (smaller on "
+                "colocated GPUs)",)
+# keys that shrink a node's host memory, named when a plan does not fit parallelism.host_memory_gib
+HOST_FIXES = ("trainer.optimizer_offload_fraction (smaller: fewer optimizer bytes in host memory, more on the GPU)",
+              "parallelism.nnodes with parallelism.trainer.num_gpus (the trainer over more nodes: fewer ranks per "
+              "node, each a smaller optimizer shard)",
+              "parallelism.host_memory_gib (if the nodes have more)")
+
+
+def host_fixes(cfg: R3RLConfig) -> list[str]:
+    """The keys that would bring an over-budget node's host memory down."""
+    out = [k for k in HOST_FIXES if not (k.startswith("trainer.optimizer_offload_fraction") and
+                                          not cfg.trainer.optimizer_cpu_offload)]
+    if cfg.parallelism.colocated and cfg.rollout.weight_sync.sleep_level == 1:
+        out.insert(0, "rollout.weight_sync.sleep_level=2 (the engines drop their weights instead of backing them up)")
+    return out
 
 
 def fixes(cfg: R3RLConfig) -> list[str]:
@@ -219,5 +361,20 @@ def table(plan: MemoryPlan) -> dict:
             rows[role]["total"] = gib(g.role_total(role))
         out[f"{g.gpu} GPU (x{g.count})"] = {**rows, "total": gib(g.total)}
     out["budget per GPU"] = gib(plan.budget_bytes) if plan.budget_bytes is not None else "not checked"
-    out["optimizer state in host memory per trainer rank"] = gib(plan.host_offload_bytes)
+    out["optimizer state and fp32 gradients in host memory per trainer rank"] = gib(plan.host_offload_bytes)
+    return out
+
+
+def host_table(plan: MemoryPlan) -> dict:
+    """Host memory per node in GiB, pinned and pageable apart (what the dry run prints)."""
+    def gib(b: float) -> float:
+        return round(b / GIB, 2)
+
+    out: dict = {}
+    for h in plan.hosts:
+        rows: dict = {}
+        for role, p in h.parts:
+            rows.setdefault(role, {})[f"{p.name} ({'pinned' if p.pinned else 'pageable'})"] = gib(p.bytes)
+        out[f"node {h.node}"] = {**rows, "pinned": gib(h.pinned), "pageable": gib(h.pageable), "total": gib(h.total)}
+    out["budget per node"] = gib(plan.host_budget_bytes) if plan.host_budget_bytes is not None else "not checked"
     return out

@@ -7,20 +7,28 @@ Names follow prior art so runs compare with other stacks:
   the rollout's routes replayed; ``train/logprob_abs_diff_no_replay`` is the same figure on the same batch without
   replay, so one run shows what R3 removes. ``..._stderr`` is the standard error of each over the step's samples
   (sample std / sqrt(samples)): the per-step figures rest on a few hundred tokens and swing between steps.
+  ``train/logprob_abs_diff_paired_delta`` (r3rl's): the mean over samples of (replayed - unreplayed) per-sample
+  figure, the paired difference on one batch, with ``..._stderr`` clustered by prompt (the samples of one prompt
+  are correlated; ``clustered_stderr``). Negative when replay removes mismatch.
 - ``train/token_mult_prob_error``: NeMo-RL's masked mean of exp(|trainer - rollout|) over all valid tokens of the
   batch (1.0 is a perfect match; their R3 recipe gates on its median < 1.02).
-- ``train/k3_kl``: the k3 estimator of KL(rollout || trainer) on the rollout's tokens, token masked mean (verl's
-  ``rollout_corr/k3_kl``).
+- ``rollout_corr/k3_kl`` (verl's; once, it used to be duplicated as ``train/k3_kl``): the k3 estimator of
+  KL(rollout || trainer) on the rollout's tokens, token masked mean.
 - ``r3/routing_flip_rate``: share of (token, layer) rows whose top-k expert *set* differs between the trainer's own
-  router and the rollout's, overall and per layer (``r3/routing_flip_rate/layer_{i:02d}``); the trainer counts the
-  flips per layer in its router hooks (``r3rl.train.replay.RouteProbe``), this module names and averages them.
+  router and the rollout's, overall and per layer (``r3/routing_flip_rate/layer_{i:02d}``), over the rows whose
+  output scores a response token (positions P-1 .. T-2, the tokens ``train/logprob_abs_diff`` averages), each
+  real sample once (no micro-batch padding slot); ``r3/routing_flip_rate_prompt``: the same over the prompt rows
+  (0 .. P-2). The trainer counts the flips per layer in its router hooks (``r3rl.train.replay.RouteProbe``), this
+  module names and averages them.
 - ``r3/replay_mismatch_rows``: (token, layer) rows where the routing map Megatron used under replay differs from
   the rollout's route stored on the ``Sample`` for that token and layer, mapped back through the inverse of the
   packing; 0 proves that every replayed route reached its token and layer.
-- ``rollout_corr/...``: the rollout correction's figures with verl's names (``rollout_is_mean``,
-  ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high|low``, ``rollout_rs_masked_fraction``,
-  ``log_ppl_abs_diff``, ``k3_kl``), computed by ``r3rl.train.correction`` from the functions here, every step
-  whatever ``correction.name``; ``train/extreme_token_fraction``: share of tokens with |trainer - rollout| > ln 2.
+- ``rollout_corr/...``: verl's ``rollout_corr`` keys with verl's definitions (``is_metrics``, ``offpolicy_metrics``,
+  ``rs_metrics``; verl's token-level IS figures with its cap C = ``correction.ratio_high``), computed by
+  ``r3rl.train.correction`` every step whatever ``correction.name``. NeMo-RL's figures under ``train/`` with its
+  names (``token_mult_prob_error``, ``is_oob_ratio``, ``mean|max_seq_mult_prob_error``). r3rl's own, also under
+  ``train/``: ``extreme_token_fraction`` (share of tokens with |trainer - rollout| > ln 2),
+  ``seq_error_gated_fraction``, ``correction_kept_tokens``.
 - ``r2/replay_mismatch_rows``: under R2, rows of the training forwards whose routing map differed from the route the
   trainer recorded in its old-log-prob pass (0 proves the replay); ``r2/replayed_rows``: the rows checked.
 
@@ -49,32 +57,64 @@ LOGPROB_ABS_DIFF = "train/logprob_abs_diff"
 LOGPROB_ABS_DIFF_NO_REPLAY = "train/logprob_abs_diff_no_replay"
 LOGPROB_ABS_DIFF_STDERR = "train/logprob_abs_diff_stderr"
 LOGPROB_ABS_DIFF_NO_REPLAY_STDERR = "train/logprob_abs_diff_no_replay_stderr"
+# r3rl's paired figure: mean over samples of (replayed - unreplayed) |trainer - rollout|, stderr clustered by prompt
+LOGPROB_ABS_DIFF_PAIRED_DELTA = "train/logprob_abs_diff_paired_delta"
+LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR = "train/logprob_abs_diff_paired_delta_stderr"
 # figure -> the key of its standard error over samples
 STDERR_OF: dict[str, str] = {LOGPROB_ABS_DIFF: LOGPROB_ABS_DIFF_STDERR,
-                             LOGPROB_ABS_DIFF_NO_REPLAY: LOGPROB_ABS_DIFF_NO_REPLAY_STDERR}
+                             LOGPROB_ABS_DIFF_NO_REPLAY: LOGPROB_ABS_DIFF_NO_REPLAY_STDERR,
+                             LOGPROB_ABS_DIFF_PAIRED_DELTA: LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR}
 TOKEN_MULT_PROB_ERROR = "train/token_mult_prob_error"
-K3_KL = "train/k3_kl"
+# verl's rollout_corr/k3_kl, logged once by r3rl.train.correction (step_metrics no longer logs a train/ copy)
+K3_KL = "rollout_corr/k3_kl"
 LOSS = "train/loss"
 GRAD_NORM = "train/grad_norm"
 ROUTING_FLIP_RATE = "r3/routing_flip_rate"
 ROUTING_FLIP_RATE_LAYER = "r3/routing_flip_rate/layer_{layer:02d}"
+ROUTING_FLIP_RATE_PROMPT = "r3/routing_flip_rate_prompt"
 REPLAY_MISMATCH_ROWS = "r3/replay_mismatch_rows"
 # R2: the trainer's own routes, recorded in the old-log-prob pass, replayed in that batch's training forwards
 R2_REPLAY_MISMATCH_ROWS = "r2/replay_mismatch_rows"
 R2_REPLAYED_ROWS = "r2/replayed_rows"
-# rollout correction (r3rl.train.correction), verl's names: every step whatever correction.name
+# rollout correction (r3rl.train.correction): verl's rollout_corr/ keys with verl's definitions (its
+# rollout_corr_helper: compute_is_metrics, compute_rollout_rejection_mask, compute_offpolicy_metrics), every step
+# whatever correction.name
 ROLLOUT_IS_MEAN = "rollout_corr/rollout_is_mean"
+ROLLOUT_IS_MAX = "rollout_corr/rollout_is_max"
+ROLLOUT_IS_MIN = "rollout_corr/rollout_is_min"
+ROLLOUT_IS_STD = "rollout_corr/rollout_is_std"
 ROLLOUT_IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
 ROLLOUT_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
 ROLLOUT_IS_FRACTION_LOW = "rollout_corr/rollout_is_ratio_fraction_low"
 ROLLOUT_RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
+ROLLOUT_RS_SEQ_MASKED_FRACTION = "rollout_corr/rollout_rs_seq_masked_fraction"
+ROLLOUT_CORR_KL = "rollout_corr/kl"
+ROLLOUT_CORR_K3_KL = K3_KL
+TRAINING_PPL = "rollout_corr/training_ppl"
+TRAINING_LOG_PPL = "rollout_corr/training_log_ppl"
+ROLLOUT_PPL = "rollout_corr/rollout_ppl"
+ROLLOUT_LOG_PPL = "rollout_corr/rollout_log_ppl"
+LOG_PPL_DIFF = "rollout_corr/log_ppl_diff"
 LOG_PPL_ABS_DIFF = "rollout_corr/log_ppl_abs_diff"
-ROLLOUT_CORR_K3_KL = "rollout_corr/k3_kl"
-SEQ_ERROR_GATED_FRACTION = "rollout_corr/seq_error_gated_fraction"
+LOG_PPL_DIFF_MAX = "rollout_corr/log_ppl_diff_max"
+LOG_PPL_DIFF_MIN = "rollout_corr/log_ppl_diff_min"
+PPL_RATIO = "rollout_corr/ppl_ratio"
+CHI2_TOKEN = "rollout_corr/chi2_token"
+CHI2_SEQ = "rollout_corr/chi2_seq"
+# NeMo-RL's names and definitions (it logs them under train/): the loss's is_oob_ratio (tis, icepop, seq_mask_tis
+# only) and the per-sequence multiplicative probability error its seq_logprob_error_threshold gates on
+IS_OOB_RATIO = "train/is_oob_ratio"
+MEAN_SEQ_MULT_PROB_ERROR = "train/mean_seq_mult_prob_error"
+MAX_SEQ_MULT_PROB_ERROR = "train/max_seq_mult_prob_error"
+# r3rl's own
+SEQ_ERROR_GATED_FRACTION = "train/seq_error_gated_fraction"
+CORRECTION_KEPT_TOKENS = "train/correction_kept_tokens"
 EXTREME_TOKEN_FRACTION = "train/extreme_token_fraction"
-ROLLOUT_CORR_KEYS: tuple[str, ...] = (ROLLOUT_IS_MEAN, ROLLOUT_IS_ESS, ROLLOUT_IS_FRACTION_HIGH,
-                                      ROLLOUT_IS_FRACTION_LOW, ROLLOUT_RS_MASKED_FRACTION, LOG_PPL_ABS_DIFF,
-                                      ROLLOUT_CORR_K3_KL)
+ROLLOUT_CORR_KEYS: tuple[str, ...] = (
+    ROLLOUT_IS_MEAN, ROLLOUT_IS_MAX, ROLLOUT_IS_MIN, ROLLOUT_IS_STD, ROLLOUT_IS_ESS, ROLLOUT_IS_FRACTION_HIGH,
+    ROLLOUT_IS_FRACTION_LOW, ROLLOUT_RS_MASKED_FRACTION, ROLLOUT_RS_SEQ_MASKED_FRACTION, ROLLOUT_CORR_KL,
+    ROLLOUT_CORR_K3_KL, TRAINING_PPL, TRAINING_LOG_PPL, ROLLOUT_PPL, ROLLOUT_LOG_PPL, LOG_PPL_DIFF, LOG_PPL_ABS_DIFF,
+    LOG_PPL_DIFF_MAX, LOG_PPL_DIFF_MIN, PPL_RATIO, CHI2_TOKEN, CHI2_SEQ)
 REWARD_MEAN = "rollout/reward_mean"
 REWARD_STD = "rollout/reward_std"
 REWARD_MIN = "rollout/reward_min"
@@ -157,6 +197,33 @@ def stderr(values: Sequence[float] | np.ndarray) -> float:
     return float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else float("nan")
 
 
+def clustered_stderr(values: Sequence[float] | np.ndarray, clusters: Sequence | np.ndarray) -> float:
+    """Standard error of the mean of ``values`` when the values of one cluster (the samples of one prompt) are
+    correlated: the cluster-robust (Liang-Zeger) estimate with the G / (G - 1) small-sample factor,
+    ``sqrt(G / (G - 1) * sum_g (sum_{i in g} (v_i - mean))^2) / n``. With one value per cluster it is ``stderr``;
+    NaN below two clusters."""
+    v = np.asarray(values, dtype=np.float64)
+    c = np.asarray(clusters)
+    if v.shape != c.shape or v.ndim != 1:
+        raise ValueError(f"values {v.shape} and clusters {c.shape} must be 1-D and of equal length")
+    labels = np.unique(c)
+    if labels.size < 2:
+        return float("nan")
+    centred = v - v.mean()
+    sums = np.asarray([centred[c == g].sum() for g in labels])
+    return float(np.sqrt(labels.size / (labels.size - 1) * np.sum(sums ** 2)) / v.size)
+
+
+def paired_delta(replayed: np.ndarray, unreplayed: np.ndarray, clusters: Sequence | np.ndarray
+                 ) -> tuple[float, float]:
+    """Mean over samples of ``replayed - unreplayed`` (per-sample figures of one batch) and its standard error
+    clustered by ``clusters`` (the prompt of each sample)."""
+    d = np.asarray(replayed, np.float64) - np.asarray(unreplayed, np.float64)
+    if d.size == 0:
+        return float("nan"), float("nan")
+    return float(d.mean()), clustered_stderr(d, clusters)
+
+
 def token_mult_prob_error(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
     """NeMo-RL's ``token_mult_prob_error``: token masked mean of exp(|trainer - rollout|); 1.0 is a perfect match."""
     t, r, m = _aligned(trainer_lps, rollout_lps, masks)
@@ -213,6 +280,96 @@ def log_ppl_abs_diff(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: Arra
     return float(np.mean(per)) if per else float("nan")
 
 
+# verl's bound on a log-ratio before exp() (its SAFETY_BOUND)
+SAFETY_BOUND = 20.0
+
+
+def is_metrics(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows, threshold: float
+               ) -> dict[str, float]:
+    """verl's token-level IS figures (``rollout_is=token``, cap C = ``threshold``), on the valid tokens before any
+    rejection: w = exp(clamp(trainer - rollout, +-20)) before truncation; ``rollout_is_mean``, ``_max``, ``_min`` of
+    w; ``rollout_is_ratio_fraction_high|low``: share of w above C and below 1/C; ``rollout_is_std`` and
+    ``rollout_is_eff_sample_size`` (1 / mean((w_c / (mean(w_c) + 1e-8))^2)) on w_c = clamp(w, 1/C, C)."""
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    if threshold <= 0:
+        raise ValueError(f"IS threshold must be positive, got {threshold}")
+    w = [np.exp(np.clip(a - b, -SAFETY_BOUND, SAFETY_BOUND)) for a, b in zip(t, r)]
+    valid = np.concatenate([x[c > 0] for x, c in zip(w, m)]) if w else np.zeros(0)
+    nan = float("nan")
+    if valid.size == 0:
+        return {k: nan for k in (ROLLOUT_IS_MEAN, ROLLOUT_IS_MAX, ROLLOUT_IS_MIN, ROLLOUT_IS_STD, ROLLOUT_IS_ESS,
+                                 ROLLOUT_IS_FRACTION_HIGH, ROLLOUT_IS_FRACTION_LOW)}
+    low = 1.0 / threshold
+    wc = [np.clip(x, low, threshold) for x in w]
+    mean_c = token_masked_mean(wc, m)
+    var_c = token_masked_mean([x * x for x in wc], m) - mean_c * mean_c
+    return {
+        ROLLOUT_IS_MEAN: token_masked_mean(w, m),
+        ROLLOUT_IS_MAX: float(valid.max()),
+        ROLLOUT_IS_MIN: float(valid.min()),
+        ROLLOUT_IS_STD: float(np.sqrt(max(var_c, 0.0))) if valid.size > 1 else 0.0,
+        ROLLOUT_IS_ESS: 1.0 / token_masked_mean([(x / (mean_c + 1e-8)) ** 2 for x in wc], m),
+        ROLLOUT_IS_FRACTION_HIGH: token_masked_mean([(x > threshold).astype(np.float64) for x in w], m),
+        ROLLOUT_IS_FRACTION_LOW: token_masked_mean([(x < low).astype(np.float64) for x in w], m),
+    }
+
+
+def rs_metrics(masks: ArrayRows, kept: ArrayRows) -> dict[str, float]:
+    """verl's rejection figures: ``rollout_rs_masked_fraction``, the share of valid tokens rejected (``kept`` 0,
+    whether the rejection zeroes the token's weight or drops it from the count), and
+    ``rollout_rs_seq_masked_fraction``, the share of all samples with at least one valid token rejected."""
+    m, k = _rows("masks", masks), _rows("kept", kept)
+    hit = [bool(((x > 0) & (y <= 0)).any()) for x, y in zip(m, k)]
+    return {ROLLOUT_RS_MASKED_FRACTION: token_masked_mean([(y <= 0).astype(np.float64) for y in k], m),
+            ROLLOUT_RS_SEQ_MASKED_FRACTION: float(np.mean(hit)) if hit else float("nan")}
+
+
+def offpolicy_metrics(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> dict[str, float]:
+    """verl's off-policy figures (``compute_offpolicy_metrics``), trainer = its old_log_prob: ``kl`` (token mean of
+    rollout - trainer), ``k3_kl`` (token mean of e^d - d - 1, d = trainer - rollout), per-sample perplexities
+    exp(-mean log-prob) averaged over samples (``training_ppl``, ``rollout_ppl``) and their logs
+    (``*_log_ppl``), ``log_ppl_diff`` = mean log-prob rollout - trainer per sample (mean, |.| mean, max, min),
+    ``ppl_ratio`` = mean of exp(log_ppl_diff), ``chi2_token`` = token mean of exp(clamp(d))^2 - 1 and ``chi2_seq`` =
+    mean of exp(2 clamp(sum d)) - 1 (clamps +-20). Per-sample figures over the samples with a valid token (verl
+    counts an empty row as 0)."""
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    rows = [(a, b, c) for a, b, c in zip(t, r, m) if c.sum() > 0]
+    nan = float("nan")
+    if not rows:
+        return {k: nan for k in (ROLLOUT_CORR_KL, ROLLOUT_CORR_K3_KL, TRAINING_PPL, TRAINING_LOG_PPL, ROLLOUT_PPL,
+                                 ROLLOUT_LOG_PPL, LOG_PPL_DIFF, LOG_PPL_ABS_DIFF, LOG_PPL_DIFF_MAX, LOG_PPL_DIFF_MIN,
+                                 PPL_RATIO, CHI2_TOKEN, CHI2_SEQ)}
+    mean_t = np.asarray([float((a * c).sum() / c.sum()) for a, _, c in rows])
+    mean_r = np.asarray([float((b * c).sum() / c.sum()) for _, b, c in rows])
+    diff = mean_r - mean_t
+    d = [a - b for a, b in zip(t, r)]
+    seq_sum = np.asarray([float(((a - b) * c).sum()) for a, b, c in rows])
+    return {
+        ROLLOUT_CORR_KL: token_masked_mean([-x for x in d], m),
+        ROLLOUT_CORR_K3_KL: token_masked_mean([np.expm1(x) - x for x in d], m),
+        TRAINING_PPL: float(np.exp(-mean_t).mean()),
+        TRAINING_LOG_PPL: float((-mean_t).mean()),
+        ROLLOUT_PPL: float(np.exp(-mean_r).mean()),
+        ROLLOUT_LOG_PPL: float((-mean_r).mean()),
+        LOG_PPL_DIFF: float(diff.mean()),
+        LOG_PPL_ABS_DIFF: float(np.abs(diff).mean()),
+        LOG_PPL_DIFF_MAX: float(diff.max()),
+        LOG_PPL_DIFF_MIN: float(diff.min()),
+        PPL_RATIO: float(np.exp(diff).mean()),
+        CHI2_TOKEN: token_masked_mean([np.exp(2.0 * np.clip(x, -SAFETY_BOUND, SAFETY_BOUND)) for x in d], m) - 1.0,
+        CHI2_SEQ: float(np.exp(2.0 * np.clip(seq_sum, -SAFETY_BOUND, SAFETY_BOUND)).mean()) - 1.0,
+    }
+
+
+def seq_mult_prob_error(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> np.ndarray:
+    """NeMo-RL's per-sequence multiplicative probability error (what ``seq_logprob_error_threshold`` gates on): the
+    masked mean of exp(|trainer - rollout|) within each sample (``token_mult_prob_error`` per sequence); NaN for a
+    sample without a valid token."""
+    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
+    return np.asarray([float((np.exp(np.minimum(np.abs(a - b), SAFETY_BOUND)) * c).sum() / c.sum())
+                       if c.sum() > 0 else float("nan") for a, b, c in zip(t, r, m)], dtype=np.float64)
+
+
 # |trainer - rollout| above ln 2: the two assign the token probabilities a factor of 2 or more apart
 EXTREME_LOG_DIFF = float(np.log(2.0))
 
@@ -223,13 +380,18 @@ def extreme_token_fraction(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks
     return token_masked_mean([(np.abs(a - b) > EXTREME_LOG_DIFF).astype(np.float64) for a, b in zip(t, r)], m)
 
 
-def routing_flip_metrics(per_layer: Sequence[float] | np.ndarray) -> dict[str, float]:
-    """``r3/routing_flip_rate`` (mean over layers: every layer sees the same rows) and one key per layer."""
+def routing_flip_metrics(per_layer: Sequence[float] | np.ndarray,
+                         prompt_per_layer: Sequence[float] | np.ndarray | None = None) -> dict[str, float]:
+    """``r3/routing_flip_rate`` (mean over layers: every layer sees the same rows) and one key per layer, over the
+    response rows; ``r3/routing_flip_rate_prompt``, the mean over layers of the prompt rows' rates, when given."""
     rates = np.asarray(per_layer, dtype=np.float64)
     if rates.ndim != 1 or rates.size == 0:
         raise ValueError(f"routing flip rates: expected one value per layer, got shape {rates.shape}")
     out = {ROUTING_FLIP_RATE: float(rates.mean())}
     out.update({flip_rate_key(i): float(v) for i, v in enumerate(rates)})
+    if prompt_per_layer is not None:
+        prompt = np.asarray(prompt_per_layer, dtype=np.float64)
+        out[ROUTING_FLIP_RATE_PROMPT] = float(prompt.mean()) if prompt.size else float("nan")
     return out
 
 
@@ -287,6 +449,8 @@ def step_metrics(
     response_lengths: Sequence[int] = (),
     prompt_lengths: Sequence[int] = (),
     routing_flip_per_layer: Sequence[float] | np.ndarray | None = None,
+    routing_flip_per_layer_prompt: Sequence[float] | np.ndarray | None = None,
+    sample_groups: Sequence | np.ndarray | None = None,
     replay_mismatch_rows: float | None = None,
     loss: float | None = None,
     grad_norm: float | None = None,
@@ -298,7 +462,10 @@ def step_metrics(
     ``trainer_logprobs`` are the log-probs the loss uses: with the rollout's routes replayed when R3 is on.
     ``trainer_logprobs_no_replay`` are the same batch's log-probs without replay; leave it None when R3 is off
     (the trainer's log-probs are then already without replay, and the no-replay figure equals the main one, so
-    both runs of a comparison carry both keys). ``routing_flip_per_layer``: the trainer's flip rate per layer;
+    both runs of a comparison carry both keys). With ``trainer_logprobs_no_replay`` and ``sample_groups`` (the
+    prompt of each sample) the paired delta (replayed - unreplayed, per sample) and its prompt-clustered standard
+    error are logged. ``routing_flip_per_layer``: the trainer's flip rate per layer over the response rows
+    (``routing_flip_per_layer_prompt``: over the prompt rows);
     ``replay_mismatch_rows``: its count of replayed rows that missed the rollout's route (R3 on only). Inputs left
     None are not logged.
     """
@@ -311,8 +478,13 @@ def step_metrics(
         LOGPROB_ABS_DIFF_NO_REPLAY: float(unreplayed.mean()) if unreplayed.size else float("nan"),
         LOGPROB_ABS_DIFF_NO_REPLAY_STDERR: stderr(unreplayed),
         TOKEN_MULT_PROB_ERROR: token_mult_prob_error(trainer_logprobs, rollout_logprobs, loss_masks),
-        K3_KL: k3_kl(trainer_logprobs, rollout_logprobs, loss_masks),
     }
+    if trainer_logprobs_no_replay is not None and sample_groups is not None:
+        valid = [float(np.sum(m)) > 0 for m in loss_masks]
+        groups = np.asarray(sample_groups)[np.asarray(valid, dtype=bool)]
+        delta, delta_se = paired_delta(replayed, unreplayed, groups)
+        out[LOGPROB_ABS_DIFF_PAIRED_DELTA] = delta
+        out[LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR] = delta_se
     if loss is not None:
         out[LOSS] = float(loss)
     if grad_norm is not None:
@@ -320,7 +492,7 @@ def step_metrics(
     out.update(reward_stats(rewards))
     out.update(response_length_stats(response_lengths))
     if routing_flip_per_layer is not None:
-        out.update(routing_flip_metrics(routing_flip_per_layer))
+        out.update(routing_flip_metrics(routing_flip_per_layer, routing_flip_per_layer_prompt))
     if replay_mismatch_rows is not None:
         out[REPLAY_MISMATCH_ROWS] = float(replay_mismatch_rows)
     if timings_s is not None or step_time_s is not None:

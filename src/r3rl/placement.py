@@ -37,12 +37,16 @@ class Placement:
     trainer: tuple[GPU, ...]  # trainer rank r runs on trainer[r]
     engines: tuple[EnginePlacement, ...]
     cpus_per_bundle: float
+    # CPUs each trainer rank reserves (its bundle and its actor): the node's share per GPU, which the CPU Adam of an
+    # offloaded optimizer runs on; and the torch threads the rank sets from it (None: torch's default)
+    trainer_cpus: float = 1.0
+    torch_threads: int | None = None
 
     def bundles(self, role: str) -> list[dict[str, float]]:
         """Ray placement-group bundles of a role: one GPU per trainer rank; one bundle per engine holding all of
         that engine's GPUs (a Ray actor fits in one bundle, and vLLM spawns its TP/DP workers inside it)."""
         if role == "trainer":
-            return [{"GPU": 1.0, "CPU": self.cpus_per_bundle} for _ in self.trainer]
+            return [{"GPU": 1.0, "CPU": self.trainer_cpus} for _ in self.trainer]
         return [{"GPU": float(len(e.gpus)), "CPU": self.cpus_per_bundle} for e in self.engines]
 
     def gpus_of(self, role: str) -> list[GPU]:
@@ -83,11 +87,26 @@ def place(par: ParallelismConfig) -> Placement:
                                  f"an engine's {per_engine} GPUs must sit on one node of {par.gpus_per_node}")
         engines.append(EnginePlacement(i, members[0].node, tuple(m.local for m in members)))
 
+    cpus_per_bundle = 0.1 if par.device == "cpu" else 1.0
     return Placement(
         colocated=par.colocated,
         logical_gpus=par.device == "cpu",
         trainer=tuple(gpu(g) for g in range(n_train)),
         engines=tuple(engines),
         # Logical GPUs on a small CPU machine: bundles must not reserve whole cores the engines need.
-        cpus_per_bundle=0.1 if par.device == "cpu" else 1.0,
+        cpus_per_bundle=cpus_per_bundle,
+        trainer_cpus=par.cpus_per_gpu if par.cpus_per_gpu is not None else cpus_per_bundle,
+        torch_threads=max(1, int(par.cpus_per_gpu)) if par.cpus_per_gpu is not None else None,
     )
+
+
+def set_trainer_threads(par: ParallelismConfig) -> int:
+    """In a trainer rank's process: torch's intra-op threads (the fused CPU AdamW of an offloaded optimizer runs on
+    them) from ``parallelism.cpus_per_gpu``, the CPUs its Ray bundle reserves; unchanged when that is null. Returns
+    the thread count in effect."""
+    import torch
+
+    threads = place(par).torch_threads
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()

@@ -162,7 +162,7 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
     elif par.device == "cpu":
         argv += ["--kv-cache-memory-bytes", str(64 * 1024 * 1024)]
     else:
-        argv += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
+        argv += ["--gpu-memory-utilization", str(memory.engine_memory_share(cfg))]
     # weight updates from the trainer's HF folder (r3rl.rollout.weights) re-run each layer's post-load processing
     argv += ["--worker-extension-cls", "r3rl.rollout.worker_extension.R3RLWorkerExtension"]
     if par.colocated and par.device == "cuda":
@@ -341,6 +341,8 @@ def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
         "placement": {
             "colocated": p.colocated,
             "trainer": {"bundles": p.bundles("trainer"),
+                        "cpus_per_rank": p.trainer_cpus,
+                        "torch_threads_per_rank": p.torch_threads if p.torch_threads is not None else "torch default",
                         "ranks": [f"rank {r}: node {g.node} GPU {g.local}" for r, g in enumerate(p.trainer)]},
             "rollout": {"bundles": p.bundles("rollout"),
                         "engines": [f"engine {e.index}: node {e.node} GPUs {','.join(map(str, e.gpus))}"
@@ -354,6 +356,7 @@ def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
         "trainer": {"dtype": plan.trainer_dtype, "data_parallel": plan.data_parallel, "megatron": plan.megatron,
                     "optimizer": plan.optimizer},
         "memory_gib_per_gpu": memory.table(plan.memory),
+        "host_memory_gib_per_node": memory.host_table(plan.memory),
         "wandb": {"project": plan.wandb.project, "entity": plan.wandb.entity, "mode": plan.wandb.mode,
                   "name": plan.wandb.name, "group": plan.wandb.group, "tags": list(plan.wandb.tags)},
     }

@@ -101,3 +101,91 @@ def test_dry_run_prints_the_table_in_gib():
                              timeout=120)
     assert refused.returncode != 0 and "out of GPU memory" in refused.stderr
     assert "trainer.optimizer_cpu_offload=true" in refused.stderr
+    # host memory per node and the CPU share of each trainer rank (issue 23 items 3 and 5)
+    assert "host_memory_gib_per_node:" in out.stdout and "budget per node: 1024.0" in out.stdout
+    assert "offloaded gradients (fp32) (pinned): 113.74" in out.stdout
+    assert "cpus_per_rank: 12.0" in out.stdout and "torch_threads_per_rank: 12" in out.stdout
+    small = subprocess.run([sys.executable, "run.py", "experiment=qwen3_30b_r3_4p4", "run.dry_run=true",
+                            "parallelism.host_memory_gib=256"], capture_output=True, text=True, cwd=str(REPO),
+                           timeout=120)
+    assert small.returncode != 0 and "parallelism.host_memory_gib: out of host memory: node 0" in small.stderr
+    assert "trainer.optimizer_offload_fraction" in small.stderr and "parallelism.nnodes" in small.stderr
+
+
+def host(plan, node=0) -> dict[str, tuple[float, bool]]:
+    return {f"{role}/{p.name}": (p.bytes / GIB, p.pinned) for role, p in plan.hosts[node].parts}
+
+
+def test_host_memory_counts_the_hybrid_optimizers_16_bytes_per_param_pinned_and_pageable():
+    """Issue 23 item 3: fails if the plan goes back to 12 B/param (no pinned fp32 gradient copy), or stops summing a
+    node's trainer ranks. 4+4: EP 4, expert-data parallel 1: each rank's optimizer shard is 32 of 128 experts of
+    48 layers plus a quarter of the dense parameters, ~7.6 B parameters, x 16 B = ~114 GiB; four ranks per node."""
+    cfg = compose(["experiment=qwen3_30b_r3_4p4"])
+    plan = build_plan(cfg).memory
+    per_rank = plan.host_offload_bytes / GIB
+    assert per_rank == pytest.approx(113.7, abs=0.1)
+    h = host(plan)
+    # precision-aware: the hybrid's fp32 parameters come from .float() of a bf16 shard (pageable); the gradient
+    # copy it steps from is pin_memory'd
+    assert h["trainer/offloaded gradients (fp32)"] == (pytest.approx(4 * per_rank / 4), True)
+    assert h["trainer/offloaded fp32 parameters"] == (pytest.approx(4 * per_rank / 4), False)
+    assert h["trainer/offloaded Adam moments"] == (pytest.approx(4 * per_rank / 2), False)
+    node = plan.hosts[0]
+    assert len(plan.hosts) == 1 and node.total == node.pinned + node.pageable
+    assert node.total / GIB == pytest.approx(4 * per_rank + 8 * 4, abs=0.1)  # + 4 GiB runtime per rank and engine GPU
+    assert plan.host_budget_bytes == 1024 * GIB and plan.hosts_over_budget() == []
+    # without the precision-aware optimizer the hybrid pins a copy of the fp32 main shard, which also stays on
+    # the GPU (the distributed optimizer keeps it)
+    plain = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.precision_aware_optimizer=false",
+                                "parallelism.gpu_memory_gib=null"])).memory
+    assert host(plain)["trainer/offloaded fp32 parameters"][1] is True
+    assert parts(plain.gpus[0])["trainer/master weights"] == pytest.approx(per_rank / 4, rel=1e-3)
+
+
+def test_two_nodes_put_the_trainer_on_node_0_and_the_engines_on_node_1():
+    """Fails if host memory is not split by the placement's nodes (trainer ranks first, engines after)."""
+    plan = build_plan(compose(["model=qwen3_30b", "parallelism=disaggregated_2n_8p8"])).memory
+    n0, n1 = host(plan, 0), host(plan, 1)
+    assert "trainer/offloaded Adam moments" in n0 and not any(k.startswith("trainer/") for k in n1)
+    assert plan.hosts[1].pinned == 0 and plan.hosts[1].total == 8 * 4 * GIB
+    assert plan.hosts[0].total / GIB == pytest.approx(8 * plan.host_offload_bytes / GIB + 8 * 4, abs=0.1)
+
+
+def test_colocated_sleep_level_1_backs_the_engine_weights_up_in_pinned_host_memory():
+    """Fails if vLLM's level-1 sleep (weights copied to pinned host memory) is not counted on colocated nodes."""
+    two = build_plan(compose(["experiment=qwen3_30b_r3_colocated"])).memory
+    one = build_plan(compose(["experiment=qwen3_30b_r3_colocated", "rollout.weight_sync.sleep_level=1"])).memory
+    weights = parts(one.gpus[0])["rollout/engine weights"]
+    assert host(one)["rollout/engine weights (sleep level 1 backup)"] == (pytest.approx(8 * weights), True)
+    assert (one.hosts[0].pinned - two.hosts[0].pinned) / GIB == pytest.approx(8 * weights)
+
+
+def test_a_node_over_its_host_memory_is_refused_naming_the_keys():
+    with pytest.raises(ConfigError) as info:
+        compose(["experiment=qwen3_30b_r3_colocated", "parallelism.host_memory_gib=400",
+                 "rollout.weight_sync.sleep_level=1"])
+    (reason,) = [r for k, r in info.value.problems if k == "parallelism.host_memory_gib"]
+    assert "out of host memory" in reason and "pinned" in reason and "pageable" in reason
+    assert "rollout.weight_sync.sleep_level=2" in reason and "trainer.optimizer_offload_fraction" in reason
+
+
+GPU_LAYOUTS = sorted(p.stem for p in (CONF_DIR / "parallelism").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("layout", GPU_LAYOUTS)
+def test_every_shipped_parallelism_fits_qwen3_30b_without_overrides(layout):
+    """Issue 23 item 10: fails if a shipped GPU layout does not carry an engine share (and host budget) that fits,
+    e.g. colocated with the 0.85 share of an engine that owns its GPU (~106.5 GiB per GPU). The CPU layouts refuse
+    the 30B model for its size only, never for memory."""
+    overrides = ["model=qwen3_30b", "rollout=vllm_r3", f"parallelism={layout}"]
+    if layout.startswith("cpu"):
+        with pytest.raises(ConfigError) as info:
+            compose(overrides)
+        assert [k for k, _ in info.value.problems] == ["parallelism"]
+        return
+    cfg = compose(overrides)
+    plan = build_plan(cfg).memory
+    assert plan.budget_bytes is not None and plan.over_budget() == []
+    assert plan.host_budget_bytes is not None and plan.hosts_over_budget() == []
+    if cfg.parallelism.colocated:
+        assert cfg.parallelism.rollout.gpu_memory_utilization < 0.5

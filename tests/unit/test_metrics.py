@@ -68,6 +68,40 @@ def test_routing_flip_metrics_average_the_layers():
     out = M.routing_flip_metrics([0.5, 0.25])
     assert out == {"r3/routing_flip_rate": pytest.approx(0.375), "r3/routing_flip_rate/layer_00": 0.5,
                    "r3/routing_flip_rate/layer_01": 0.25}
+    with_prompt = M.routing_flip_metrics([0.5, 0.25], [0.1, 0.3])
+    assert with_prompt["r3/routing_flip_rate_prompt"] == pytest.approx(0.2)
+    assert with_prompt["r3/routing_flip_rate"] == pytest.approx(0.375)
+
+
+def test_clustered_stderr_accounts_for_samples_of_one_prompt():
+    """Values 1, 2 (prompt a) and 3, 6 (prompt b): centred sums -3 and 3, sqrt(2 / 1 * 18) / 4 = 1.5, where the
+    plain standard error would be sqrt(14 / 3) / 2 = 1.08. With one value per cluster it is the plain one.
+
+    Fails if ``clustered_stderr`` ignores the clusters (the plain stderr), drops the G / (G - 1) factor, or sums
+    squared deviations per sample instead of squaring each cluster's sum."""
+    assert M.clustered_stderr([1.0, 2.0, 3.0, 6.0], ["a", "a", "b", "b"]) == pytest.approx(1.5)
+    assert M.stderr([1.0, 2.0, 3.0, 6.0]) == pytest.approx(math.sqrt(14 / 3) / 2)
+    assert M.clustered_stderr([1.0, 2.0, 3.0, 6.0], [0, 1, 2, 3]) == pytest.approx(M.stderr([1.0, 2.0, 3.0, 6.0]))
+    assert math.isnan(M.clustered_stderr([1.0, 2.0], [7, 7]))  # one prompt: no between-prompt spread to measure
+    with pytest.raises(ValueError, match="equal length"):
+        M.clustered_stderr([1.0, 2.0], [0])
+
+
+def test_paired_delta_is_replayed_minus_unreplayed_per_sample_with_prompt_clustered_error():
+    """Per sample replayed 0.3, 0.15 and unreplayed 0.5, 1.0: deltas -0.2 and -0.85, mean -0.525; two prompts of one
+    sample each: standard error 0.325. Fails if the delta is taken as a difference of the two means' errors, the
+    sign flipped, or the groups ignored (tested by ``clustered_stderr``)."""
+    no_replay = [ROLLOUT[0] + 0.5, ROLLOUT[1] - 1.0]
+    out = M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS,
+                         trainer_logprobs_no_replay=no_replay, sample_groups=[0, 1])
+    assert out[M.LOGPROB_ABS_DIFF_PAIRED_DELTA] == pytest.approx(-0.525)
+    assert out[M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR] == pytest.approx(0.325)
+    assert M.STDERR_OF[M.LOGPROB_ABS_DIFF_PAIRED_DELTA] == M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR
+    same_prompt = M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS,
+                                 trainer_logprobs_no_replay=no_replay, sample_groups=[3, 3])
+    assert math.isnan(same_prompt[M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR])
+    assert M.LOGPROB_ABS_DIFF_PAIRED_DELTA not in M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER,
+                                                                 loss_masks=MASKS, sample_groups=[0, 1])
 
 
 def test_logprob_abs_diff_stderr_is_over_samples():
@@ -101,7 +135,8 @@ def test_step_metrics_assembles_every_prefix_with_prior_art_names():
     assert out["perf/step_time_s"] == 4.0  # sum of the stages when no step time is given
     assert out["perf/tokens_per_s"] == pytest.approx(20 / 4.0)  # (2 + 5 + 3 + 10) tokens over 4 s
     assert out["perf/rollout_tokens_per_s"] == pytest.approx(7 / 2.0)
-    assert {"train/token_mult_prob_error", "train/k3_kl"} <= set(out)
+    assert "train/token_mult_prob_error" in out
+    assert "train/k3_kl" not in out and M.K3_KL == "rollout_corr/k3_kl"  # verl's key, logged once, by correction
     # rollout_corr/ comes from r3rl.train.correction, r2/ from R2's training forwards, eval/ from r3rl.eval
     assert {k.split("/", 1)[0] for k in out} == set(M.STEP_PREFIXES) - {"r2", "rollout_corr"}
 

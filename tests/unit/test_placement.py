@@ -63,3 +63,39 @@ def test_cpu_bundles_reserve_a_fraction_of_a_core():
 def test_errors_name_the_key(cfg, key):
     with pytest.raises(PlacementError, match=key.replace(".", r"\.")):
         place(cfg)
+
+
+def test_trainer_ranks_reserve_the_nodes_cpu_share_and_set_torch_threads_from_it():
+    """Issue 23 item 5: fails if trainer bundles go back to one CPU each (the offloaded AdamW of ~7.6 B parameters
+    per rank on one thread) or if the rank's torch thread count is not taken from ``parallelism.cpus_per_gpu``."""
+    import dataclasses
+
+    import torch
+
+    from r3rl.placement import set_trainer_threads
+
+    gpu = dataclasses.replace(par(), cpus_per_gpu=12.0)
+    p = place(gpu)
+    assert [b["CPU"] for b in p.bundles("trainer")] == [12.0] * 4 and p.trainer_cpus == 12.0
+    assert p.torch_threads == 12
+    assert [b["CPU"] for b in p.bundles("rollout")] == [1.0]  # engines: vLLM's processes, outside Ray's count
+    # the CPU profile keeps its fraction of a core and torch's threads
+    cpu = place(par(gpn=2, train=1, roll=1, rtp=1, device="cpu"))
+    assert cpu.trainer_cpus == 0.1 and cpu.torch_threads is None
+    before = torch.get_num_threads()
+    try:
+        assert set_trainer_threads(dataclasses.replace(par(), cpus_per_gpu=3.0)) == 3
+        assert torch.get_num_threads() == 3
+        assert set_trainer_threads(par(gpn=2, train=1, roll=1, rtp=1, device="cpu")) == 3  # null: left as it is
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_shipped_gpu_layouts_give_each_trainer_rank_its_cpu_share():
+    from r3rl.config import compose
+    from r3rl.plan import build_plan, describe
+
+    cfg = compose(["experiment=qwen3_30b_r3_4p4"])
+    shown = describe(cfg, build_plan(cfg))["placement"]["trainer"]
+    assert shown["cpus_per_rank"] == cfg.parallelism.cpus_per_gpu > 1
+    assert shown["torch_threads_per_rank"] == int(cfg.parallelism.cpus_per_gpu)

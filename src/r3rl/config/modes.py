@@ -8,6 +8,8 @@ REPLAY_NAMES = ("auto", "none", "r2", "r3")
 RECIPE_NAMES = ("grpo", "sft")
 # the options of r3rl.train.correction
 CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
+# correction.rejected_tokens: what a token IcePop / seq_mask_tis rejects does to the loss's token count
+REJECTED_TOKENS = ("zero_weight", "drop_from_count")
 
 
 def replay_mode(cfg) -> str:

@@ -76,6 +76,7 @@ class RolloutParallelConfig(Frozen):
     tensor_parallel: int = 1
     data_parallel: int = 1
     expert_parallel: bool = False
+    gpu_memory_utilization: float = 0.85
 
 
 @dataclass
@@ -86,6 +87,8 @@ class ParallelismConfig(Frozen):
     gpus_per_node: int = 8
     colocated: bool = False
     gpu_memory_gib: Optional[float] = None
+    host_memory_gib: Optional[float] = None
+    cpus_per_gpu: Optional[float] = None
     trainer: TrainerParallelConfig = field(default_factory=TrainerParallelConfig)
     rollout: RolloutParallelConfig = field(default_factory=RolloutParallelConfig)
 
@@ -97,7 +100,7 @@ class EngineConfig(Frozen):
     base_port: int = 8100
     dtype: str = "auto"
     max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: Optional[float] = None
     kv_cache_memory_bytes: Optional[int] = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = False
@@ -185,6 +188,15 @@ class SFTConfig(Frozen):
 
 
 @dataclass
+class WarmStartConfig(Frozen):
+    enabled: bool = False
+    num_steps: int = 200
+    batch_size: int = 16
+    lr: float = 2e-3
+    num_examples: int = 4096
+
+
+@dataclass
 class ReplayConfig(Frozen):
     name: str = "auto"
     run_name_suffix: str = ""
@@ -200,6 +212,7 @@ class CorrectionConfig(Frozen):
     seq_ratio_low: float = 0.999
     seq_ratio_high: float = 1.002
     seq_error_threshold: Optional[float] = None
+    rejected_tokens: str = "zero_weight"
 
 
 @dataclass
@@ -217,6 +230,10 @@ class DataConfig(Frozen):
     max_prompt_length: int = 1024
     shuffle: bool = True
     seed: int = 42
+    # generated arithmetic only (r3rl.data.arithmetic.ProblemSpace): operators, largest operand, split of the space
+    ops: str = "+-*"
+    max_operand: int = 99
+    split: str = "all"
 
 
 @dataclass
@@ -297,6 +314,7 @@ class R3RLConfig(Frozen):
     debug: DebugConfig = field(default_factory=DebugConfig)
     recipe: RecipeConfig = MISSING
     sft: SFTConfig = field(default_factory=SFTConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
 GROUP_SCHEMAS: dict[str, type] = {

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from r3rl.config.modes import CORRECTION_NAMES, RECIPE_NAMES, REPLAY_NAMES, replay_mode
+from r3rl.config.modes import CORRECTION_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES, replay_mode
 from r3rl.config.schema import R3RLConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -190,7 +190,9 @@ def validate(cfg: R3RLConfig) -> None:
           f"0 < correction.seq_ratio_low <= correction.seq_ratio_high needed, got {corr.seq_ratio_low} and "
           f"{corr.seq_ratio_high}")
     check(corr.seq_error_threshold is None or corr.seq_error_threshold >= 1.0, "correction.seq_error_threshold",
-          f"must be null or >= 1 (exp of a mean absolute log-prob difference), got {corr.seq_error_threshold}")
+          f"must be null or >= 1 (mean of exp|log-prob difference| per sequence), got {corr.seq_error_threshold}")
+    check(corr.rejected_tokens in REJECTED_TOKENS, "correction.rejected_tokens",
+          f"must be one of {REJECTED_TOKENS}, got {corr.rejected_tokens!r}")
 
     # rollout
     check(mode == "none" or m.num_experts > 1, "replay",
@@ -220,8 +222,11 @@ def validate(cfg: R3RLConfig) -> None:
         check(len(nodes) == 1, "rollout.engine.host",
               f"one address ({host}) for engines on nodes {sorted(nodes)}: it exists on one node only; use auto")
     check(ro.engine.startup_timeout_s > 0, "rollout.engine.startup_timeout_s", "must be > 0")
-    check(0.0 < ro.engine.gpu_memory_utilization <= 1.0, "rollout.engine.gpu_memory_utilization",
-          f"must be in (0, 1], got {ro.engine.gpu_memory_utilization}")
+    check(ro.engine.gpu_memory_utilization is None or 0.0 < ro.engine.gpu_memory_utilization <= 1.0,
+          "rollout.engine.gpu_memory_utilization",
+          f"must be null (the parallelism group's share) or in (0, 1], got {ro.engine.gpu_memory_utilization}")
+    check(0.0 < par.rollout.gpu_memory_utilization <= 1.0, "parallelism.rollout.gpu_memory_utilization",
+          f"must be in (0, 1], got {par.rollout.gpu_memory_utilization}")
     check(ro.sampling.temperature >= 0, "rollout.sampling.temperature", f"must be >= 0, got {ro.sampling.temperature}")
     check(0 < ro.sampling.top_p <= 1, "rollout.sampling.top_p", f"must be in (0, 1], got {ro.sampling.top_p}")
     check(ro.sampling.max_tokens >= 1, "rollout.sampling.max_tokens", "must be >= 1")
@@ -280,8 +285,29 @@ def validate(cfg: R3RLConfig) -> None:
 
         problems.extend(sft_data_problems(cfg))
 
+    ws = cfg.warm_start
+    if ws.enabled and cfg.recipe.name == "grpo":
+        check(cfg.data.name == "arithmetic" and cfg.data.generate_if_missing, "warm_start.enabled",
+              f"the SFT warm start writes worked solutions of the generated arithmetic task (data=arithmetic); "
+              f"data={cfg.data.name} brings none: set warm_start.enabled=false and start from an SFT checkpoint "
+              "(model.checkpoint=...)")
+        check(cfg.data.split != "sft", "data.split", "GRPO's prompts must not be the warm start's split (sft)")
+        check(ws.num_steps >= 1 and ws.num_examples >= 1, "warm_start.num_steps",
+              f"num_steps and num_examples must be >= 1, got {ws.num_steps} and {ws.num_examples}")
+        check(ws.batch_size >= 1 and ws.batch_size % (tr.micro_batch_size * dp) == 0, "warm_start.batch_size",
+              f"must be a positive multiple of trainer.micro_batch_size x data parallel = {tr.micro_batch_size} x "
+              f"{dp}, got {ws.batch_size}")
+        check(ws.lr > 0, "warm_start.lr", f"must be > 0, got {ws.lr}")
+
     # data, logger, run
     check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
+    from r3rl.data.arithmetic import SPLITS
+
+    check(cfg.data.split == "all" or cfg.data.split in SPLITS, "data.split",
+          f"must be all or one of {sorted(SPLITS)}, got {cfg.data.split!r}")
+    check(bool(cfg.data.ops) and set(cfg.data.ops) <= set("+-*"), "data.ops",
+          f"must be one or more of '+-*', got {cfg.data.ops!r}")
+    check(cfg.data.max_operand >= 1, "data.max_operand", f"must be >= 1, got {cfg.data.max_operand}")
     check(0.0 <= cfg.data.partial_credit < 1.0, "data.partial_credit",
           f"must be in [0, 1) so a right answer always scores higher, got {cfg.data.partial_credit}")
     check(cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
@@ -290,6 +316,10 @@ def validate(cfg: R3RLConfig) -> None:
     check(cfg.run.save_every >= 1, "run.save_every", "must be >= 1")
     check(par.gpu_memory_gib is None or par.gpu_memory_gib > 0, "parallelism.gpu_memory_gib",
           f"must be null or > 0, got {par.gpu_memory_gib}")
+    check(par.host_memory_gib is None or par.host_memory_gib > 0, "parallelism.host_memory_gib",
+          f"must be null or > 0, got {par.host_memory_gib}")
+    check(par.cpus_per_gpu is None or par.cpus_per_gpu > 0, "parallelism.cpus_per_gpu",
+          f"must be null or > 0, got {par.cpus_per_gpu}")
 
     problems.extend(checkpoint_problems(m))
 
@@ -347,8 +377,8 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
                            resolve_dtype(cfg.rollout.engine.dtype, device))
     problems = []
     if not memory.engine_weights_fit(cfg, plan):
-        problems.append(("rollout.engine.gpu_memory_utilization",
-                         f"{cfg.rollout.engine.gpu_memory_utilization} of {cfg.parallelism.gpu_memory_gib} GiB does "
+        problems.append((memory.engine_memory_share_key(cfg),
+                         f"{memory.engine_memory_share(cfg)} of {cfg.parallelism.gpu_memory_gib} GiB does "
                          f"not hold the engine's weights; raise it or the engines' tensor_parallel"))
     for gpu in plan.over_budget():
         parts = ", ".join(f"{role} {p.name} {p.bytes / memory.GIB:.1f}" for role, p in gpu.parts if p.bytes)
@@ -356,4 +386,11 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
                          f"out of GPU memory: a {gpu.gpu} GPU needs ~{gpu.total / memory.GIB:.1f} GiB, over the "
                          f"{cfg.parallelism.gpu_memory_gib} GiB budget ({parts} GiB); change "
                          + "; ".join(memory.fixes(cfg))))
+    for host in plan.hosts_over_budget():
+        parts = ", ".join(f"{role} {p.name} {p.bytes / memory.GIB:.1f}" for role, p in host.parts if p.bytes)
+        problems.append(("parallelism.host_memory_gib",
+                         f"out of host memory: node {host.node} needs ~{host.total / memory.GIB:.1f} GiB "
+                         f"({host.pinned / memory.GIB:.1f} pinned, {host.pageable / memory.GIB:.1f} pageable), over "
+                         f"the {cfg.parallelism.host_memory_gib} GiB budget per node ({parts} GiB); change "
+                         + "; ".join(memory.host_fixes(cfg))))
     return problems

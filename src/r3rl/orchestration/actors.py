@@ -37,10 +37,12 @@ class TrainerActor:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
 
     def setup(self, cfg: R3RLConfig, master_addr: str, master_port: int) -> None:
+        from r3rl.placement import set_trainer_threads
         from r3rl.train import distributed
         from r3rl.train.trainer import MegatronTrainer
 
         os.environ.update(distributed.rendezvous_env(self.rank, self.world_size, master_addr, master_port))
+        set_trainer_threads(cfg.parallelism)  # the CPU Adam of an offloaded optimizer runs on this rank's CPUs
         self.trainer = MegatronTrainer(cfg)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

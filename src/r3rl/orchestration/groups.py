@@ -68,7 +68,7 @@ class TrainerGroup:
         n = len(p.trainer)
         self.actors = [
             TrainerActor.options(
-                num_gpus=gpus, num_cpus=p.cpus_per_bundle,
+                num_gpus=gpus, num_cpus=p.trainer_cpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             ).remote(r, n)
             for r in range(n)

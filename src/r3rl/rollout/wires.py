@@ -163,13 +163,17 @@ class NcclWire(Wire):
                                    "world_size": self._world})
 
     def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
+        import torch
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         if not bucket:
             return
+        # the stream that received the bucket (the gather's recv and all_gather run on the trainer's current
+        # stream without waiting): vLLM's producer packs on its own streams, so it must wait for this one
+        source = torch.cuda.current_stream() if torch.cuda.is_available() else None  # None: no streams (CPU tests)
 
         def transmit() -> None:
-            packed_nccl_broadcast_producer(iter(bucket), self.group, 0, lambda item: item[1],
+            packed_nccl_broadcast_producer(after_stream(source, bucket), self.group, 0, lambda item: item[1],
                                            buffer_size_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
 
         yield Update(_meta(bucket), len(bucket), _nbytes(bucket), transmit=transmit)
@@ -178,6 +182,22 @@ class NcclWire(Wire):
         if self.group is not None:
             self.group.destroy()
             self.group = None
+
+
+def after_stream(source: Any, items: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``items``, each handed out only after the stream current at that moment (the packer's, inside vLLM's
+    ``packed_nccl_broadcast_producer``) waits for ``source``: the pack reads a tensor only once the work that
+    wrote it on ``source`` is done (vLLM's own trainer example gets this by iterating inside that stream)."""
+    import torch
+
+    if source is None:
+        yield from items
+        return
+    for item in items:
+        current = torch.cuda.current_stream()
+        if current != source:
+            current.wait_stream(source)
+        yield item
 
 
 class IpcWire(Wire):

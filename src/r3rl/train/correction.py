@@ -4,8 +4,14 @@ the tokens (pi_rollout) and the trainer's pi_old, per token.
 The ratio is ``pi_old / pi_rollout = exp(trainer - rollout)`` on each response token, with the trainer's log-probs
 the recipe's mismatch metrics use (the rollout's routes replayed under R3, the trainer's recorded ones under R2).
 Every option returns one ``float32`` weight per token (multiplying that token's policy-gradient term, never
-differentiated) and a loss mask (the sample's mask with the rejected tokens cleared, so they also leave the token
-count the loss is divided by, as in verl and NeMo-RL):
+differentiated) and a loss mask. A rejected token's weight is exactly 0. ``rejected_tokens`` says what happens to
+the tokens an option rejects (IcePop's, seq_mask_tis's):
+
+- ``zero_weight`` (the default, the published behaviour: NeMo-RL's loss, slime, the IcePop paper): they stay in
+  the loss mask, so in the token count the loss is divided by, and contribute nothing;
+- ``drop_from_count``: they also leave the loss mask, so the survivors' tokens weigh more (verl's rollout_rs).
+
+The options:
 
 - ``none``: weights 1, nothing rejected (the metrics still show what a correction would do).
 - ``tis``: truncated IS, weights ``min(ratio, ratio_high)`` (Yao et al.'s TIS; verl's ``rollout_is=token``).
@@ -14,8 +20,10 @@ count the loss is divided by, as in verl and NeMo-RL):
 - ``seq_mask_tis``: sequences whose geometric-mean ratio ``exp(mean(trainer - rollout))`` is outside
   ``[seq_ratio_low, seq_ratio_high]`` are rejected whole, the tokens of the others weighted by their (untruncated)
   ratio (NeMo-RL's ``seq-mask-tis``).
-- the gate ``seq_error_threshold`` (any option): sequences whose multiplicative probability error
-  ``exp(mean(|trainer - rollout|))`` exceeds it are rejected whole (NeMo-RL's ``seq_logprob_error_threshold``).
+- the gate ``seq_error_threshold`` (any option): sequences whose multiplicative probability error, the masked mean
+  of ``exp(|trainer - rollout|)`` within the sequence, exceeds it are rejected whole (NeMo-RL's
+  ``seq_logprob_error_threshold``, ``token_mult_prob_error`` per sequence). As in NeMo-RL (it clears the
+  sequence's sample mask) a gated sequence leaves the token count whatever ``rejected_tokens`` says.
 
 Pure numpy over one array per sample; the metrics live in ``r3rl.metrics``.
 """
@@ -29,9 +37,10 @@ import numpy as np
 
 from r3rl import metrics as M
 from r3rl.config.modes import CORRECTION_NAMES as KINDS
+from r3rl.config.modes import REJECTED_TOKENS
 
 # exp() of a log-ratio beyond this overflows or vanishes in float32 (verl's safety bound, ~[2e-9, 5e8])
-LOG_RATIO_BOUND = 20.0
+LOG_RATIO_BOUND = M.SAFETY_BOUND
 
 
 @dataclass(frozen=True)
@@ -44,15 +53,19 @@ class Correction:
     seq_ratio_low: float = 0.999
     seq_ratio_high: float = 1.002
     seq_error_threshold: float | None = None
+    rejected_tokens: str = "zero_weight"
 
     @classmethod
     def of(cls, cfg) -> "Correction":
         return cls(cfg.name, cfg.ratio_low, cfg.ratio_high, cfg.seq_ratio_low, cfg.seq_ratio_high,
-                   cfg.seq_error_threshold)
+                   cfg.seq_error_threshold, cfg.rejected_tokens)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"correction.name: must be one of {KINDS}, got {self.kind!r}")
+        if self.rejected_tokens not in REJECTED_TOKENS:
+            raise ValueError(f"correction.rejected_tokens: must be one of {REJECTED_TOKENS}, "
+                             f"got {self.rejected_tokens!r}")
 
     @property
     def changes_training(self) -> bool:
@@ -62,9 +75,10 @@ class Correction:
 
 @dataclass
 class Corrected:
-    weights: list[np.ndarray]  # float32 [R] per sample: multiplies each token's policy-gradient term
-    loss_masks: list[np.ndarray]  # float32 [R] per sample: the loss mask with rejected tokens cleared
+    weights: list[np.ndarray]  # float32 [R] per sample: multiplies each token's policy-gradient term (0: rejected)
+    loss_masks: list[np.ndarray]  # float32 [R] per sample: the tokens the loss counts (see ``rejected_tokens``)
     metrics: dict[str, float]
+    kept: list[np.ndarray] | None = None  # float32 [R] per sample: 1 where a valid token was not rejected
 
 
 def log_ratios(trainer_lps: Sequence[np.ndarray], rollout_lps: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -92,41 +106,53 @@ def correct(c: Correction, trainer_lps: Sequence[np.ndarray], rollout_lps: Seque
     logr = log_ratios(trainer_lps, rollout_lps)
     ratios = [np.exp(d) for d in logr]
     seq_geo = np.asarray([np.exp(_seq_mean(d, m)) for d, m in zip(logr, masks)])
-    seq_error = np.asarray([np.exp(_seq_mean(np.abs(d), m)) for d, m in zip(logr, masks)])
+    # NeMo-RL's seq_mult_prob_error: mean(exp|d|) per sequence, NaN without a valid token (never gated)
+    seq_error = M.seq_mult_prob_error(trainer_lps, rollout_lps, masks)
 
-    keep = [np.ones_like(m) for m in masks]
+    option_keep = [np.ones_like(m) for m in masks]
     if c.kind == "none":
         weights = [np.ones_like(r) for r in ratios]
     elif c.kind == "tis":
         weights = [np.minimum(r, c.ratio_high) for r in ratios]
     elif c.kind == "icepop":
         weights = [r.copy() for r in ratios]
-        keep = [((r >= c.ratio_low) & (r <= c.ratio_high)).astype(np.float64) for r in ratios]
+        option_keep = [((r >= c.ratio_low) & (r <= c.ratio_high)).astype(np.float64) for r in ratios]
     else:  # seq_mask_tis
         weights = [r.copy() for r in ratios]
-        keep = [np.full_like(m, float(c.seq_ratio_low <= g <= c.seq_ratio_high)) for m, g in zip(masks, seq_geo)]
+        option_keep = [np.full_like(m, float(c.seq_ratio_low <= g <= c.seq_ratio_high))
+                       for m, g in zip(masks, seq_geo)]
+    gate_keep = [np.ones_like(m) for m in masks]
     if c.seq_error_threshold is not None:
-        keep = [k * float(e <= c.seq_error_threshold) for k, e in zip(keep, seq_error)]
-    new_masks = [m * k for m, k in zip(masks, keep)]
+        gate_keep = [np.full_like(m, float(not e > c.seq_error_threshold)) for m, e in zip(masks, seq_error)]
+    keep = [o * g for o, g in zip(option_keep, gate_keep)]
+    # a rejected token's weight is exactly 0 (never a raw ratio left behind a mask: inf x 0 = NaN)
+    weights = [np.where(k > 0, w, 0.0) for w, k in zip(weights, keep)]
+    if c.rejected_tokens == "drop_from_count":
+        new_masks = [m * k for m, k in zip(masks, keep)]
+    else:  # zero_weight: only the gate (NeMo-RL's sample mask) takes tokens out of the count
+        new_masks = [m * g for m, g in zip(masks, gate_keep)]
+    kept = [m * k for m, k in zip(masks, keep)]
 
-    # the weights an IS correction would apply: the option's own, the plain ratio where it applies none
-    applied = ratios if c.kind == "none" else weights
-    if c.kind == "seq_mask_tis":
-        high, low = M.fraction_outside_seq(seq_geo, masks, c.seq_ratio_low, c.seq_ratio_high)
-    else:
-        high, low = M.fraction_outside(ratios, masks, c.ratio_low, c.ratio_high)
-    metrics = {
-        M.ROLLOUT_IS_MEAN: M.token_masked_mean(applied, masks),
-        M.ROLLOUT_IS_ESS: M.eff_sample_size(applied, masks),
-        M.ROLLOUT_IS_FRACTION_HIGH: high,
-        M.ROLLOUT_IS_FRACTION_LOW: low,
-        M.ROLLOUT_RS_MASKED_FRACTION: M.masked_fraction(masks, new_masks),
-        M.LOG_PPL_ABS_DIFF: M.log_ppl_abs_diff(trainer_lps, rollout_lps, masks),
-        M.ROLLOUT_CORR_K3_KL: M.k3_kl(trainer_lps, rollout_lps, masks),
-        M.EXTREME_TOKEN_FRACTION: M.extreme_token_fraction(trainer_lps, rollout_lps, masks),
-    }
+    metrics = M.is_metrics(trainer_lps, rollout_lps, masks, c.ratio_high)
+    metrics.update(M.rs_metrics(masks, kept))
+    metrics.update(M.offpolicy_metrics(trainer_lps, rollout_lps, masks))
+    metrics[M.EXTREME_TOKEN_FRACTION] = M.extreme_token_fraction(trainer_lps, rollout_lps, masks)
+    metrics[M.CORRECTION_KEPT_TOKENS] = float(sum(float(m.sum()) for m in new_masks))
+    valid = np.asarray([m.sum() > 0 for m in masks], dtype=bool)
+    finite = seq_error[valid]
+    metrics[M.MEAN_SEQ_MULT_PROB_ERROR] = float(finite.mean()) if finite.size else float("nan")
+    metrics[M.MAX_SEQ_MULT_PROB_ERROR] = float(finite.max()) if finite.size else float("nan")
+    # NeMo-RL's is_oob_ratio, for the options NeMo-RL has: tokens outside the truncation bounds (tis: above
+    # ratio_high, r3rl's tis has no lower clamp; icepop: outside [ratio_low, ratio_high]) or sequences (seq_mask_tis)
+    if c.kind == "tis":
+        metrics[M.IS_OOB_RATIO] = M.token_masked_mean([(r > c.ratio_high).astype(np.float64) for r in ratios], masks)
+    elif c.kind == "icepop":
+        metrics[M.IS_OOB_RATIO] = M.token_masked_mean([1.0 - k for k in option_keep], masks)
+    elif c.kind == "seq_mask_tis":
+        out = np.asarray([not (c.seq_ratio_low <= g <= c.seq_ratio_high) for g in seq_geo])
+        metrics[M.IS_OOB_RATIO] = float(out[valid].mean()) if valid.any() else float("nan")
     if c.seq_error_threshold is not None:
-        valid = np.asarray([m.sum() > 0 for m in masks])
-        gated = (seq_error > c.seq_error_threshold) & valid
+        gated = valid & (seq_error > c.seq_error_threshold)
         metrics[M.SEQ_ERROR_GATED_FRACTION] = float(gated.sum() / valid.sum()) if valid.any() else float("nan")
-    return Corrected([w.astype(np.float32) for w in weights], [m.astype(np.float32) for m in new_masks], metrics)
+    return Corrected([w.astype(np.float32) for w in weights], [m.astype(np.float32) for m in new_masks], metrics,
+                     [k.astype(np.float32) for k in kept])

@@ -116,26 +116,31 @@ def forget_instances(routers: list) -> None:
 
 @dataclass
 class ProbeCounts:
-    """Per global layer: rows with a rollout route, of those how many top-k sets the router itself would pick
-    differently (flips), and, under replay, rows checked against the rollout and those whose routing map differed
-    from the rollout's route for that token (must stay 0)."""
+    """Per global layer: response rows (positions P-1 .. T-2, whose output scores a response token) of the real
+    samples (not micro-batch padding slots) and of those how many top-k sets the router itself would pick
+    differently than the rollout (flips); the same for the prompt rows (0 .. P-2); and, under replay, every row
+    with a rollout route checked against the rollout and those whose routing map differed from the rollout's route
+    for that token (must stay 0)."""
 
     routed_rows: np.ndarray
     flips: np.ndarray
     replay_rows: np.ndarray
     replay_mismatches: np.ndarray
+    prompt_rows: np.ndarray
+    prompt_flips: np.ndarray
 
     @classmethod
     def zeros(cls, num_layers: int) -> "ProbeCounts":
-        return cls(*(np.zeros(num_layers, dtype=np.int64) for _ in range(4)))
+        return cls(*(np.zeros(num_layers, dtype=np.int64) for _ in range(6)))
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.routed_rows, self.flips, self.replay_rows, self.replay_mismatches]))
+        return torch.from_numpy(np.stack([self.routed_rows, self.flips, self.replay_rows, self.replay_mismatches,
+                                          self.prompt_rows, self.prompt_flips]))
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "ProbeCounts":
         a = t.cpu().numpy()
-        return cls(a[0].copy(), a[1].copy(), a[2].copy(), a[3].copy())
+        return cls(*(a[i].copy() for i in range(6)))
 
 
 def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -158,14 +163,23 @@ def row_origins(mb: MicroBatch, layout: TokenLayout, route_rows: Sequence[int]) 
 
 
 class _Expected:
-    """One micro batch's rollout routes per router row, read from the samples through ``row_origins``."""
+    """One micro batch's rollout routes per router row, read from the samples through ``row_origins``.
 
-    def __init__(self, mb: MicroBatch, layout: TokenLayout, routes: Sequence[np.ndarray]):
+    ``response`` / ``prompt`` (bool per row of ``rows``): the row scores a response token (position >= P-1) or is a
+    prompt row, of a real sample; both False on a padding slot (``valid[b]`` False: a repeat of a real sample)."""
+
+    def __init__(self, mb: MicroBatch, layout: TokenLayout, routes: Sequence[np.ndarray],
+                 valid: Sequence[bool] | None = None):
         self.slot_routes = [routes[i] for i in mb.indices]
         slot, pos = row_origins(mb, layout, [len(r) for r in self.slot_routes])
         self.rows = np.flatnonzero(slot >= 0)
         offsets = np.concatenate([[0], np.cumsum([len(r) for r in self.slot_routes])[:-1]]).astype(np.int64)
         self._source = offsets[slot[self.rows]] + pos[self.rows]
+        real = np.ones(len(mb.indices), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+        first_scored = np.asarray([start for start, _ in mb.spans], dtype=np.int64)
+        row_slot, row_pos = slot[self.rows], pos[self.rows]
+        self.response = real[row_slot] & (row_pos >= first_scored[row_slot])
+        self.prompt = real[row_slot] & (row_pos < first_scored[row_slot])
 
     def layer(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows that hold a rollout route and, per such row, the rollout's ``[K]`` experts at this layer."""
@@ -177,7 +191,8 @@ class RouteProbe:
     """Forward hooks on the routers of a no-grad pass that compare, on every row holding a rollout route, the
     rollout's top-k for that (sample, token, layer), read from the samples' own routes:
 
-    - with the router's own top-k (from its live logits, what it would choose unreplayed): the routing flip rate;
+    - with the router's own top-k (from its live logits, what it would choose unreplayed): the routing flip rate,
+      over the response rows and the prompt rows of the real samples apart;
     - under replay, with the routing map Megatron actually used: proof the rollout's routes were replayed at the
       right token and layer. Rows are mapped back through ``row_origins``, independently of the packed replay
       targets, so a route packed one row off or handed to the wrong layer shows as a mismatch.
@@ -192,8 +207,9 @@ class RouteProbe:
         self._replaying = False
         self._handles = []
 
-    def expect(self, mb: MicroBatch | None, *, replaying: bool) -> None:
-        self._expected = _Expected(mb, self.layout, self.routes) if mb is not None else None
+    def expect(self, mb: MicroBatch | None, *, replaying: bool, valid: Sequence[bool] | None = None) -> None:
+        """The next forward runs ``mb`` (``valid[b]``: slot b is a real sample, not a padding repeat)."""
+        self._expected = _Expected(mb, self.layout, self.routes, valid) if mb is not None else None
         self._replaying = replaying
 
     def _hook(self, router, args, output) -> None:
@@ -205,8 +221,12 @@ class RouteProbe:
             logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
             rows, rollout = self._expected.layer(layer, logits.device)
             own = torch.topk(logits[rows], router.topk, dim=-1).indices
-            self.counts.routed_rows[layer] += len(rows)
-            self.counts.flips[layer] += int((~_same_sets(own, rollout)).sum())
+            flipped = (~_same_sets(own, rollout)).cpu().numpy()
+            response, prompt = self._expected.response, self._expected.prompt
+            self.counts.routed_rows[layer] += int(response.sum())
+            self.counts.flips[layer] += int((flipped & response).sum())
+            self.counts.prompt_rows[layer] += int(prompt.sum())
+            self.counts.prompt_flips[layer] += int((flipped & prompt).sum())
             if self._replaying:
                 used = output[1].view(-1, router.config.num_moe_experts)[rows].bool()
                 expected = torch.zeros_like(used).scatter(1, rollout, True)

@@ -7,6 +7,7 @@ Every rank is called with the same full list of samples and takes its data-paral
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,17 +29,32 @@ from r3rl.train.routes import check_routes
 @dataclass
 class LogprobResult:
     logprobs: list[np.ndarray]  # float32 [R] per sample: log-prob of each response token
-    flip_per_layer: np.ndarray  # float [L]: share of routed (token, layer) top-k sets the router would pick otherwise
+    # float [L]: share of the response rows' (token, layer) top-k sets the router would pick otherwise than the
+    # rollout (rows P-1 .. T-2 of each real sample, whose output scores a response token)
+    flip_per_layer: np.ndarray
     # replay: on every (token, layer), the routing map Megatron used equalled the rollout's route on the Sample
     # (mapped back through the inverse of the packing); None without replay
     replayed_routes_match: bool | None
     replay_mismatch_rows: int  # (token, layer) rows whose routing map differed from the rollout's route
     # the trainer's own routes of this pass, ``[T-1, L, K]`` per sample (R2 records them); None unless asked
     recorded_routes: list[np.ndarray] | None = None
+    flip_per_layer_prompt: np.ndarray | None = None  # float [L]: the same over the prompt rows (0 .. P-2)
 
     @property
     def flip_rate(self) -> float:
         return float(np.nanmean(self.flip_per_layer)) if np.isfinite(self.flip_per_layer).any() else float("nan")
+
+
+def _tokens_in_loss(per_token: dict[str, list[np.ndarray]], indices: Sequence[int]) -> bool:
+    """Whether any token of ``indices`` is in the loss mask with a nonzero correction weight."""
+    weights = per_token.get("is_weights")
+    for i in indices:
+        kept = per_token["loss_mask"][i] > 0
+        if weights is not None:
+            kept &= weights[i] != 0
+        if kept.any():
+            return True
+    return False
 
 
 class MegatronTrainer:
@@ -197,12 +213,12 @@ class MegatronTrainer:
         with torch.no_grad(), session, (probe or contextlib.nullcontext()):
             if self.pipelined:
                 token_lps = self._pipelined(model, [mb for mb, _ in mbs], replay=replay, forward_only=True,
-                                            probe=probe)
+                                            probe=probe, valid=[v for _, v in mbs])
             else:
                 token_lps = []
                 for mb, valid in mbs:
                     if probe is not None:
-                        probe.expect(mb, replaying=replay)
+                        probe.expect(mb, replaying=replay, valid=valid)
                     if recorded is not None:
                         self.replay.record()
                     token_lps.append(self._forward(model, mb, replay=replay, backward_follows=False))
@@ -219,18 +235,19 @@ class MegatronTrainer:
         return results, (probe.counts if probe is not None else None)
 
     def _pipelined(self, model, mbs: list[MicroBatch], *, replay: bool, forward_only: bool, probe=None,
-                   loss=None) -> list:
+                   loss=None, valid: list[list[bool]] | None = None) -> list:
         """Megatron's pipeline schedule over ``mbs`` (pipeline parallel > 1; GPU only). Forward-only returns the last
         stage's token log-probs per micro batch; training returns the loss terms per micro batch."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         queue = iter(mbs)
         collected: list = []
+        validity = {id(mb): v for mb, v in zip(mbs, valid)} if valid is not None else {}
 
         def step(data_iterator, chunk):
             mb = next(data_iterator)
             if probe is not None:
-                probe.expect(mb, replaying=replay)
+                probe.expect(mb, replaying=replay, valid=validity.get(id(mb)))
             out = self._forward(chunk, mb, replay=replay, backward_follows=not forward_only)
 
             def loss_func(token_lp):
@@ -297,9 +314,12 @@ class MegatronTrainer:
         counts = self._reduce_counts(counts)
         with np.errstate(invalid="ignore", divide="ignore"):
             flips = np.where(counts.routed_rows > 0, counts.flips / np.maximum(counts.routed_rows, 1), np.nan)
+            prompt = np.where(counts.prompt_rows > 0, counts.prompt_flips / np.maximum(counts.prompt_rows, 1),
+                              np.nan)
         mismatches = int(counts.replay_mismatches.sum())
         matched = (mismatches == 0 and bool((counts.replay_rows > 0).all())) if replay else None
-        return LogprobResult(logprobs, flips.astype(np.float64), matched, mismatches, own)
+        return LogprobResult(logprobs, flips.astype(np.float64), matched, mismatches, own,
+                             prompt.astype(np.float64))
 
     def record_routes(self, samples: Sequence[Sample]) -> list[np.ndarray]:
         """The trainer's own routing (Megatron's RECORD), shaped like the engine's: ``[T-1, L, K]`` per sample in the
@@ -439,6 +459,8 @@ class MegatronTrainer:
         input and route is indexed by sample, so each optimizer step's share keeps its own.
         Under replay the routing maps of every training forward are checked against the routes replayed
         (``replay_mismatch_rows``: must be 0; ``replayed_rows``).
+        An optimizer step whose every token is out of the loss (mask 0 or correction weight 0) is skipped with a
+        warning: no forward, no optimizer step (``rejected_steps``, also counted in ``skipped_steps``).
         """
         if replay and self.replay is None:
             raise RuntimeError("train_step(replay=True) needs a model built with routing replay")
@@ -451,13 +473,24 @@ class MegatronTrainer:
         probe = RouteProbe(self.routers, self.cfg.model.num_layers, self.layout, routes) \
             if replay and not self.pipelined else None
         totals = torch.zeros(6, dtype=torch.float64)
-        norms, ok_steps, unconsumed = [], 0, 0
+        norms, ok_steps, unconsumed, rejected_steps = [], 0, 0, 0
         lr = self.cfg.trainer.lr
         for start in range(0, len(samples), gbs):
             indices = list(range(start, start + gbs))
+            lr = optim.lr_at(self.optimizer_step, self.total_steps, self.cfg.trainer.lr, self.cfg.trainer.min_lr)
+            if not _tokens_in_loss(per_token, indices):
+                # every token rejected (mask 0 or weight 0): a zero gradient, on which Adam would still move the
+                # weights by its momentum (and weight decay): no forward, no optimizer step. Every rank holds the
+                # same per-token inputs, so every rank skips the same step.
+                warnings.warn(f"optimizer step {self.optimizer_step + 1}: the rollout correction rejected every "
+                              f"token of samples {indices[0]}..{indices[-1]}; the step is skipped", RuntimeWarning,
+                              stacklevel=2)
+                self.optimizer_step += 1
+                rejected_steps += 1
+                norms.append(0.0)
+                continue
             with probe or contextlib.nullcontext():
                 sums, left = self._accumulate(samples, indices, per_token, routes, replay, probe)
-            lr = optim.lr_at(self.optimizer_step, self.total_steps, self.cfg.trainer.lr, self.cfg.trainer.min_lr)
             self.optimizer.set_lr(lr)
             ok, norm = self.optimizer.step()
             self.optimizer_step += 1
@@ -478,7 +511,8 @@ class MegatronTrainer:
             "grad_norm_max": float(np.max(norms)),
             "lr": lr,
             "optimizer_steps": float(steps),
-            "skipped_steps": float(steps - ok_steps),
+            "skipped_steps": float(steps - ok_steps),  # the optimizer's own skips and the rejected steps
+            "rejected_steps": float(rejected_steps),
             "step": float(self.optimizer_step),
         }
         if replay:
@@ -491,14 +525,16 @@ class MegatronTrainer:
         return metrics
 
     def gradients(self, samples: Sequence[Sample], advantages, *, replay: bool,
-                  old_logprobs: Sequence[np.ndarray] | None = None) -> dict[str, Any]:
-        """One global batch's reduced gradients (``main_grad`` per parameter name), without an optimizer step."""
+                  old_logprobs: Sequence[np.ndarray] | None = None, is_weights: Sequence[np.ndarray] | None = None,
+                  loss_masks: Sequence[np.ndarray] | None = None) -> dict[str, Any]:
+        """One global batch's reduced gradients (``main_grad`` per parameter name), without an optimizer step;
+        ``is_weights`` and ``loss_masks`` as in ``train_step``. ``loss_tokens``: the token count it divides by."""
         routes = self._validated_routes(samples, required=True) if replay else None
-        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay)
+        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks)
         sums, left = self._accumulate(samples, list(range(len(samples))), per_token, routes, replay)
         grads = {n: p.main_grad.detach().clone().cpu() for n, p in self.bare.named_parameters()}
         self.model.zero_grad_buffer()
-        return {"grads": grads, "loss": float(sums[0]) / max(float(sums[5]), 1.0),
+        return {"grads": grads, "loss": float(sums[0]) / max(float(sums[5]), 1.0), "loss_tokens": float(sums[5]),
                 "replay_backward_unconsumed": left,
                 "replay_queue_after": self.replay.pending() if self.replay is not None else 0}
 

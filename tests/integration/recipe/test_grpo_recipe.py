@@ -50,6 +50,11 @@ def test_default_recipe_logs_every_metric_every_step(r3_run):
         # TIS drops nothing; its weights average near 1 with the replayed pi_old
         assert row[M.ROLLOUT_RS_MASKED_FRACTION] == 0 and 0.5 < row[M.ROLLOUT_IS_MEAN] <= 2.0
         assert 0 < row[M.ROLLOUT_IS_ESS] <= 1
+        # the paired figure: same samples on both sides, so its mean is the difference of the two means
+        assert row[M.LOGPROB_ABS_DIFF_PAIRED_DELTA] == pytest.approx(
+            row[M.LOGPROB_ABS_DIFF] - row[M.LOGPROB_ABS_DIFF_NO_REPLAY], abs=1e-9)
+        assert row[M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR] > 0 and M.ROUTING_FLIP_RATE_PROMPT in row
+        assert "train/k3_kl" not in row  # verl's rollout_corr/k3_kl, once
     assert {"r3:on", "replay:r3", "correction:tis"} <= set(run.tags) and run.group == "tiny_moe-cpu"
     assert not any(k.startswith("r2/") for row in run.history for k in row)
 
@@ -69,7 +74,11 @@ def test_r2_runs_without_engine_routes_and_replays_the_trainers_own(r2_run):
         # no engine routes: nothing to measure a flip rate or an R3 replay against
         assert not any(k.startswith("r3/") for k in row)
         assert 0 <= row[M.ROLLOUT_RS_MASKED_FRACTION] < 1
-    assert {"r3:off", "replay:r2", "correction:icepop"} <= set(run.tags)
+        # the loss divides by the tokens the option (icepop, zero_weight: rejected tokens stay) and the gate kept
+        # (fails if the recipe hands the trainer Sample.loss_mask instead of the correction's masks while the gate
+        # drops a sequence, or if the trainer counts tokens otherwise)
+        assert row["train/loss_tokens"] == row[M.CORRECTION_KEPT_TOKENS]
+        assert M.LOGPROB_ABS_DIFF_PAIRED_DELTA not in row  # no paired pass under R2
     assert_nothing_left(r2_run)
 
 

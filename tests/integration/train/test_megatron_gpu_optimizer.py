@@ -88,3 +88,49 @@ def test_replay_of_own_routes_is_bitwise_and_export_round_trips(tmp_path, tiny_m
         trainer.shutdown()
     src, dst = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_colocated_offload_onload_leaves_the_cpu_optimizer_in_host_memory(batch, fraction, tiny_model_dir):
+    """Issue 23 item 1 (colocated step 2): CPU-offloaded optimizer -> train step -> offload -> onload -> train step.
+    Fails if onload moves the HybridDeviceOptimizer's CPU part (its fused AdamW state) to the GPU, as
+    ``move_optimizer_state`` did when it walked the hybrid's aliased ``state``: the GPU then holds more than before
+    offload, the host tensors are replaced, and the next step mixes devices. With ``fraction=0.5`` the GPU part's
+    moments do leave the GPU on offload and come back whole on onload."""
+    from r3rl import memory
+    from r3rl.train import offload
+
+    samples, adv = batch
+    trainer = make(f"trainer.optimizer_offload_fraction={fraction}")
+    try:
+        first = trainer.train_step(samples, adv, replay=True)
+        assert np.isfinite(first["loss"])
+        hybrids = [p.optimizer for p in trainer.optimizer._parts()]
+        assert all(offload.is_hybrid(h) for h in hybrids)
+        host = {id(v): v for h in hybrids for o in h.cpu_optimizers for s in o.state.values() for v in s.values()
+                if torch.is_tensor(v)}
+        assert host and all(v.device.type == "cpu" for v in host.values())
+        device_part = sum(v.numel() * v.element_size() for _, _, v in offload.offload_moves(trainer.optimizer))
+        assert (device_part > 0) == (fraction < 1.0)
+        torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated()
+        out = trainer.offload_optimizer_state()
+        assert out == device_part
+        assert resident - torch.cuda.memory_allocated() >= out  # the GPU part's moments left the GPU
+        back = trainer.onload_optimizer_state()
+        assert back == out
+        torch.cuda.synchronize()
+        onloaded = torch.cuda.memory_allocated()
+        assert onloaded <= resident + (1 << 20), f"onload grew the GPU by {(onloaded - resident) / 2**20:.1f} MiB"
+        after = {id(v): v for h in hybrids for o in h.cpu_optimizers for s in o.state.values() for v in s.values()
+                 if torch.is_tensor(v)}
+        assert after.keys() == host.keys() and all(v.device.type == "cpu" for v in after.values())
+        # what stays on the GPU between steps is what the plan counts (weights, gradients, the GPU part's state)
+        plan = memory.estimate(trainer.cfg, "bfloat16", "bfloat16")
+        static = sum(p.bytes for _, p in plan.gpus[0].parts if p.name in ("weights", "gradients", "master weights",
+                                                                         "optimizer state"))
+        assert onloaded <= 1.25 * static + (64 << 20), (onloaded, static)
+        second = trainer.train_step(samples, adv, replay=True)
+        assert np.isfinite(second["loss"]) and second["skipped_steps"] == 0
+    finally:
+        trainer.shutdown()

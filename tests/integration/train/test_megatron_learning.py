@@ -136,8 +136,8 @@ def test_tokens_with_zero_loss_mask_or_zero_correction_weight_get_no_gradient(ne
     # the same tokens, taken out by the loss mask given to train_step, did count under Sample.loss_mask
     assert_differs(update(tok_adv, old, is_weights=weights), base)
 
-    # 3. end to end through correct(): IcePop rejects the tokens whose pi_old / pi_rollout leaves [0.5, 2]; moving
-    # their rollout log-probs further out changes their weights but not the update, moving a kept one does
+    # 3. end to end through correct(): IcePop rejects the tokens whose pi_old / pi_rollout leaves [0.5, 2] (weight 0);
+    # moving their rollout log-probs further out changes their ratios but not the update, moving a kept one does
     rollout = [o + rng.normal(0, 0.6, o.shape).astype(np.float32) for o in old]
     icepop = Correction("icepop", ratio_low=0.5, ratio_high=2.0)
 
@@ -146,18 +146,22 @@ def test_tokens_with_zero_loss_mask_or_zero_correction_weight_get_no_gradient(ne
         return update(tok_adv, old, is_weights=fix.weights, loss_masks=fix.loss_masks), fix
 
     base, fix = corrected_update(rollout)
-    rejected = [(m == 0) & (s.loss_mask > 0) for m, s in zip(fix.loss_masks, samples)]
+    # rejected: weight 0, kept in the loss mask (correction.rejected_tokens=zero_weight, the default)
+    rejected = [(k == 0) & (s.loss_mask > 0) for k, s in zip(fix.kept, samples)]
+    assert all(np.array_equal(m, s.loss_mask) for m, s in zip(fix.loss_masks, samples))
     assert sum(int(r.sum()) for r in rejected) >= 3
     further = [np.where(r, lp + np.sign(lp - o) * rng.uniform(0.1, 2.0, lp.shape), lp).astype(np.float32)
                for lp, o, r in zip(rollout, old, rejected)]
     after, fix2 = corrected_update(further)
-    assert all(np.array_equal(a, b) for a, b in zip(fix.loss_masks, fix2.loss_masks))
-    assert any(not np.array_equal(a, b) for a, b in zip(fix.weights, fix2.weights))
+    assert all(np.array_equal(a, b) for a, b in zip(fix.kept, fix2.kept))
+    # their ratios moved, their weights stay exactly 0
+    assert any(not np.array_equal(a[r], b[r]) for a, b, r in zip(rollout, further, rejected))
+    assert all((w[r] == 0).all() for w, r in zip(fix2.weights, rejected))
     assert_same(after, base)
-    accepted = one_token([m > 0 for m in fix.loss_masks])
+    accepted = one_token([k > 0 for k in fix.kept])
     nudged = [np.where(a, lp + np.float32(0.05), lp).astype(np.float32) for lp, a in zip(rollout, accepted)]
     after, fix3 = corrected_update(nudged)
-    assert all(np.array_equal(a, b) for a, b in zip(fix.loss_masks, fix3.loss_masks))
+    assert all(np.array_equal(a, b) for a, b in zip(fix.kept, fix3.kept))
     assert_differs(after, base)
 
 

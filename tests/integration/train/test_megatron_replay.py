@@ -76,20 +76,31 @@ def test_padding_rows_only_perturb_rounding(policy):
     assert replayed.replayed_routes_match is True
 
 
-def test_flip_rate_counts_only_rows_with_rollout_routes(policy):
-    samples = routed(policy, routes="record")
+def test_flip_rate_counts_response_rows_once_and_prompt_rows_apart(policy):
+    """6 samples in micro batches of 4 (the second carries two padding slots repeating a real sample). A changed
+    route on each sample's first prompt row (layer 2) and on its first scored row, P-1 (layer 1): the response
+    flip rate of layer 1 is 6 over the response rows (sum of R), that of layer 2 is 0; the prompt flip rate of layer
+    2 is 6 over the prompt rows (sum of P-1).
+
+    Fails if the flip rate counts prompt rows or the padding slots' repeats (the old definition: over every row of
+    every slot), or if the first scored row P-1 is counted as a prompt row."""
+    samples = routed(policy, n=6, routes="record")
+    assert len(samples) % policy.cfg.trainer.micro_batch_size != 0, "the last micro batch must carry padding"
     e = policy.cfg.model.num_experts
-    layer = 2
-    total = sum(len(s.routed_experts) for s in samples)
-    flipped = 0
     for s in samples:
         s.routed_experts = s.routed_experts.copy()
-        s.routed_experts[0, layer] = (s.routed_experts[0, layer] + 3) % e  # first token's set can only change
-        flipped += 1
+        s.routed_experts[0, 2] = (s.routed_experts[0, 2] + 3) % e  # a prompt row: its set can only change
+        first_scored = len(s.prompt_ids) - 1
+        s.routed_experts[first_scored, 1] = (s.routed_experts[first_scored, 1] + 3) % e
     live = policy.logprobs(samples, replay=False)
+    response_rows = sum(s.response_length for s in samples)
+    prompt_rows = sum(len(s.prompt_ids) - 1 for s in samples)
     expected = np.zeros(policy.cfg.model.num_layers)
-    expected[layer] = flipped / total
+    expected[1] = len(samples) / response_rows
     assert np.allclose(live.flip_per_layer, expected)
+    expected_prompt = np.zeros(policy.cfg.model.num_layers)
+    expected_prompt[2] = len(samples) / prompt_rows
+    assert np.allclose(live.flip_per_layer_prompt, expected_prompt)
 
 
 def test_bad_routes_fail_naming_sample_and_layer(policy):

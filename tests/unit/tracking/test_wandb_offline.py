@@ -55,8 +55,8 @@ def test_reader_gets_every_metric_at_every_step(logged):
     for row in run.history:
         expected = metrics[row["_step"]]
         assert {k: row[k] for k in expected} == expected
-        # an R3 run logs no r2/ key; eval/ only at eval points
-        assert {k.split("/", 1)[0] for k in expected} - {"eval"} == set(STEP_AXES) - {"r2", "eval"}
+        # an R3 run logs no r2/ key (and a GRPO run no sft/ key); eval/ only at eval points
+        assert {k.split("/", 1)[0] for k in expected} - {"eval"} == set(STEP_AXES) - {"r2", "eval", "sft"}
         for prefix, axis in STEP_AXES.items():
             if any(k.startswith(f"{prefix}/") for k in expected):
                 assert row[axis] == row["_step"]  # each prefix's own step axis
