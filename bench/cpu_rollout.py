@@ -9,8 +9,9 @@ prompts repeated ``--samples`` times as one left-padded batch, sampling, the sam
 the engine's worker uses. Tokens/s = generated tokens / wall time (median over ``--repeats``).
 
 It also reports the share of the engine worker's time spent in Triton's interpreter during the timed batches (the
-worker clocks every interpreted launch: ``R3RLWorkerExtension.r3rl_interpreter_clock``), and which kernels those
-were. ``override`` (Hydra) changes the engine, e.g. ``'rollout.engine.extra_env={R3RL_MRV2_TORCH_KERNELS: "0"}'``
+worker clocks every interpreted launch: ``R3RLWorkerExtension.r3rl_interpreter_clock``) and which kernels those
+were, and the CPU time each engine process used per second of those batches (a process that spins while it waits
+shows up as a busy core). ``override`` (Hydra) changes the engine, e.g. ``'rollout.engine.extra_env={R3RL_MRV2_TORCH_KERNELS: "0"}'``
 for the interpreted kernels. Last line: ``engine/hf generate tokens/s ratio: <r>``.
 """
 
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import torch
 
 from r3rl.config import compose
@@ -49,6 +51,8 @@ def engine_rate(cfg, prompts: list[list[int]], samples: int, sampling: SamplingC
         client.generate_sync(prompts, samples, sampling)  # warm-up: every batch shape the timed runs see
         info = rpc(engine.url, "r3rl_worker_info")
         rpc(engine.url, "r3rl_interpreter_clock", True)
+        procs = [psutil.Process(pid) for pid in engine.process_tree()]
+        cpu0 = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
         rates, walls = [], 0.0
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -57,8 +61,9 @@ def engine_rate(cfg, prompts: list[list[int]], samples: int, sampling: SamplingC
             walls += wall
             rates.append(sum(s.response_length for s in out) / wall)
             assert all(s.routed_experts is not None for s in out) or not cfg.rollout.routing_replay
+        cpu = {f"{p.pid} {p.name()}": sum(p.cpu_times()[:2]) - cpu0[p.pid] for p in procs}
         clock = rpc(engine.url, "r3rl_interpreter_clock", False)
-    return {"tok_s": statistics.median(rates), "runs": rates, "threads": info["torch_threads"],
+    return {"cpu_s": cpu, "tok_s": statistics.median(rates), "runs": rates, "threads": info["torch_threads"],
             "stand_ins": info["stand_ins"], "interpreted_s": clock["seconds"], "wall_s": walls,
             "kernels": clock["kernels"]}
 
@@ -117,6 +122,9 @@ def main() -> None:
     share = engine["interpreted_s"] / engine["wall_s"] if engine["wall_s"] else 0.0
     print(f"worker time in Triton's interpreter during the timed batches: {100 * share:.1f}% "
           f"({engine['interpreted_s']:.2f} s of {engine['wall_s']:.2f} s)")
+    busy = sum(engine["cpu_s"].values()) / engine["wall_s"]
+    print(f"engine processes' CPU time per second of the timed batches: {busy:.2f} cores ("
+          + ", ".join(f"{k}: {v / engine['wall_s']:.2f}" for k, v in engine["cpu_s"].items()) + ")")
     for name, (calls, seconds) in sorted(engine["kernels"].items(), key=lambda kv: -kv[1][1]):
         print(f"    {name}: {calls} launches, {seconds:.3f} s")
     print(f"engine/hf generate tokens/s ratio: {engine['tok_s'] / hf['tok_s']:.2f}")

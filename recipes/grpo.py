@@ -153,6 +153,8 @@ class GRPORecipe(common.Recipe):
             response_lengths=[s.response_length for s in samples],
             prompt_lengths=[len(s.prompt_ids) for s in samples],
             routing_flip_per_layer=live.flip_per_layer if live is not None else None,
+            routing_flip_per_layer_prompt=live.flip_per_layer_prompt if live is not None else None,
+            sample_groups=[s.group for s in samples],
             replay_mismatch_rows=replay_mismatch_rows(replayed) if self.r3 else None,
             loss=train_out.get("loss"),
             grad_norm=train_out.get("grad_norm"),
@@ -162,6 +164,9 @@ class GRPORecipe(common.Recipe):
         if self.r3 and unreplayed is None:  # the paired pass skipped this step: its figures are not logged
             for key in (M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_NO_REPLAY_STDERR):
                 values.pop(key)
+        if not self.r3:  # one pass, no pairing: replayed and unreplayed are the same figures
+            for key in (M.LOGPROB_ABS_DIFF_PAIRED_DELTA, M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR):
+                values.pop(key, None)
         values.update(corrected.metrics)
         values.update({f"train/{k}": float(v) for k, v in train_out.items()
                        if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
@@ -192,4 +197,6 @@ def replay_mismatch_rows(result) -> float:
 
 
 def run_recipe(cfg: R3RLConfig) -> None:
-    common.run(GRPORecipe, cfg)
+    from recipes import warm_start
+
+    common.run(GRPORecipe, warm_start.ensure(cfg))

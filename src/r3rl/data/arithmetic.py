@@ -6,12 +6,16 @@ the tiny model's tokenizer expect). The same seed and count give the same file o
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import json
 import os
 import random
 import re
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from r3rl.config.schema import DataConfig
@@ -27,21 +31,72 @@ SOLUTION_TEMPLATE = "{a} {op} {b} = \\boxed{{{answer}}}"
 SOLUTION_VERSION = 1
 
 
-def draw_problem(rng: random.Random) -> dict[str, str]:
-    """One problem as ``{"prompt": ..., "label": ...}``; products stay small (operands up to 20)."""
-    op = rng.choice(_OPS)
-    hi = 20 if op == "*" else 99
-    a, b = rng.randint(0, hi), rng.randint(0, hi)
-    answer = a + b if op == "+" else a - b if op == "-" else a * b
-    return {"prompt": PROMPT_TEMPLATE.format(a=a, op=op, b=b), "label": str(answer)}
+@dataclass(frozen=True)
+class ProblemSpace:
+    """The problems ``a op b`` the generator draws from: ``ops`` among ``+-*``, operands 0..``max_operand`` (products
+    at most 0..20), and the ``split`` of that space (``all``, or one of ``SPLITS``)."""
+
+    ops: str = "+-*"
+    max_operand: int = 99
+    split: str = "all"
+
+    @classmethod
+    def of(cls, data_cfg: DataConfig, split: str | None = None) -> ProblemSpace:
+        return cls(data_cfg.ops, data_cfg.max_operand, data_cfg.split if split is None else split)
 
 
-def generate_problems(num: int, seed: int) -> list[dict[str, str]]:
-    """``num`` problems drawn from ``seed`` (repeats possible, as in any sample of the problem space)."""
+# Disjoint shares of every problem space, by a stable hash of the problem with its operands in a canonical order
+# (a + b and b + a fall in the same split): the SFT warm start, GRPO's prompts and the held-out eval never share a
+# problem, whatever their seeds and counts. ``all``: the whole space.
+SPLITS: dict[str, tuple[float, float]] = {"sft": (0.0, 0.55), "rl": (0.55, 0.8), "heldout": (0.8, 1.0)}
+
+
+def split_of(a: int, op: str, b: int) -> str:
+    """Which of ``SPLITS`` the problem ``a op b`` belongs to (the same on every machine)."""
+    lo, hi = (min(a, b), max(a, b)) if op in "+*" else (a, b)
+    digest = hashlib.sha256(f"{lo} {op} {hi}".encode()).digest()
+    share = int.from_bytes(digest[:8], "big") / 2 ** 64
+    return next(name for name, (start, end) in SPLITS.items() if start <= share < end)
+
+
+def _answer(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+@functools.lru_cache(maxsize=16)
+def problems_of(space: ProblemSpace) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Every problem of ``space``'s split, as operand pairs per operator (operators with none are left out)."""
+    if not space.ops or set(space.ops) - set(_OPS):
+        raise ValueError(f"data.ops={space.ops!r}: use one or more of {''.join(_OPS)!r}")
+    if space.split != "all" and space.split not in SPLITS:
+        raise ValueError(f"data.split={space.split!r}: use all or one of {sorted(SPLITS)}")
+    out = {}
+    for op in dict.fromkeys(space.ops):
+        hi = min(20, space.max_operand) if op == "*" else space.max_operand
+        pairs = tuple((a, b) for a in range(hi + 1) for b in range(hi + 1)
+                      if space.split == "all" or split_of(a, op, b) == space.split)
+        if pairs:
+            out[op] = pairs
+    if not out:
+        raise ValueError(f"no arithmetic problem in split {space.split!r} of ops={space.ops!r} with operands up "
+                         f"to {space.max_operand}")
+    return out
+
+
+def draw_problem(rng: random.Random, space: ProblemSpace = ProblemSpace()) -> dict[str, str]:
+    """One problem of ``space`` as ``{"prompt": ..., "label": ...}``: an operator, then one of its operand pairs."""
+    problems = problems_of(space)
+    op = rng.choice(sorted(problems))
+    a, b = rng.choice(problems[op])
+    return {"prompt": PROMPT_TEMPLATE.format(a=a, op=op, b=b), "label": str(_answer(a, op, b))}
+
+
+def generate_problems(num: int, seed: int, space: ProblemSpace = ProblemSpace()) -> list[dict[str, str]]:
+    """``num`` problems of ``space`` drawn from ``seed`` (repeats possible, as in any sample of the space)."""
     if num <= 0:
         raise ValueError(f"data.num_generated_prompts={num}: must be positive to generate prompts")
     rng = random.Random(seed)
-    return [draw_problem(rng) for _ in range(num)]
+    return [draw_problem(rng, space) for _ in range(num)]
 
 
 def worked_solution(prompt: str) -> tuple[str, str]:
@@ -51,15 +106,15 @@ def worked_solution(prompt: str) -> tuple[str, str]:
     if m is None:
         raise ValueError(f"not an arithmetic prompt of r3rl.data.arithmetic: {prompt!r}")
     a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
-    answer = a + b if op == "+" else a - b if op == "-" else a * b
+    answer = _answer(a, op, b)
     return SOLUTION_TEMPLATE.format(a=a, op=op, b=b, answer=answer), str(answer)
 
 
-def generate_sft_examples(num: int, seed: int) -> list[dict[str, str]]:
-    """The problems of ``generate_problems(num, seed)`` (the same draw as the prompt file of that seed and count)
-    with a worked solution each: ``{"prompt", "label", "response"}``."""
+def generate_sft_examples(num: int, seed: int, space: ProblemSpace = ProblemSpace()) -> list[dict[str, str]]:
+    """The problems of ``generate_problems(num, seed, space)`` (the same draw as the prompt file of that seed, count
+    and space) with a worked solution each: ``{"prompt", "label", "response"}``."""
     out = []
-    for problem in generate_problems(num, seed):
+    for problem in generate_problems(num, seed, space):
         response, label = worked_solution(problem["prompt"])
         assert label == problem["label"]
         out.append({**problem, "response": response})
@@ -70,7 +125,8 @@ def sft_fingerprint(data_cfg: DataConfig) -> dict:
     """What a generated SFT file was made from; a cached file with another fingerprint is regenerated."""
     return {"generator": "arithmetic_sft", "solution_version": SOLUTION_VERSION, "template": SOLUTION_TEMPLATE,
             "prompt_template": PROMPT_TEMPLATE, "num": data_cfg.num_generated_prompts, "seed": data_cfg.seed,
-            "keys": [data_cfg.prompt_key, data_cfg.label_key, data_cfg.response_key]}
+            "keys": [data_cfg.prompt_key, data_cfg.label_key, data_cfg.response_key],
+            "space": dataclasses.asdict(ProblemSpace.of(data_cfg)), "splits": SPLITS}
 
 
 def fingerprint_path(path: str | os.PathLike) -> Path:
@@ -78,36 +134,47 @@ def fingerprint_path(path: str | os.PathLike) -> Path:
     return p.with_name(p.name + ".r3rl_generated.json")
 
 
-def ensure_sft_data(data_cfg: DataConfig) -> Path:
-    """The SFT file of ``data_cfg``: generated (worked arithmetic solutions) when missing, or regenerated when it
-    is one r3rl made from another fingerprint, with ``data.generate_if_missing``; a file r3rl did not make is used
-    as it is and never overwritten."""
-    path = Path(data_cfg.path)
+def ensure_generated(path: str | os.PathLike, fingerprint: dict, make, *, regenerate: bool = True) -> Path:
+    """``path``, written by ``make(path)`` when missing, or rewritten when r3rl made it from another ``fingerprint``
+    (its marker file beside it) and ``regenerate`` allows; a file r3rl did not make is used as it is, never
+    overwritten."""
+    path = Path(path)
     marker = fingerprint_path(path)
-    fingerprint = sft_fingerprint(data_cfg)
+    fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))  # as it reads back (tuples become lists)
     if path.is_file():
-        if not marker.is_file() or not data_cfg.generate_if_missing:
+        if not marker.is_file() or not regenerate or json.loads(marker.read_text()) == fingerprint:
             return path
-        if json.loads(marker.read_text()) == fingerprint:
-            return path
-    elif not data_cfg.generate_if_missing:
-        raise FileNotFoundError(
-            f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
-            f"holding '{data_cfg.prompt_key}' and '{data_cfg.response_key}' (or '{data_cfg.messages_key}'), or use "
-            f"data=arithmetic_sft, which generates its records."
-        )
-    examples = generate_sft_examples(data_cfg.num_generated_prompts, data_cfg.seed)
-    for ex in examples:  # the response under its configured key (write_jsonl renames prompt and label)
-        ex[data_cfg.response_key] = ex.pop("response")
-    out = write_jsonl(examples, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
+    out = make(path)
     tmp = marker.with_name(marker.name + ".tmp")
     tmp.write_text(json.dumps(fingerprint, sort_keys=True))
     os.replace(tmp, marker)
     return out
 
 
-def generate_heldout(num: int, seed: int, exclude: Iterable[str]) -> list[dict[str, str]]:
-    """``num`` distinct problems drawn like the training prompts, none of whose prompt text is in ``exclude``.
+def ensure_sft_data(data_cfg: DataConfig) -> Path:
+    """The SFT file of ``data_cfg``: generated (worked arithmetic solutions) when missing, or regenerated when it
+    is one r3rl made from another fingerprint, with ``data.generate_if_missing``; a file r3rl did not make is used
+    as it is and never overwritten."""
+    if not Path(data_cfg.path).is_file() and not data_cfg.generate_if_missing:
+        raise FileNotFoundError(
+            f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
+            f"holding '{data_cfg.prompt_key}' and '{data_cfg.response_key}' (or '{data_cfg.messages_key}'), or use "
+            f"data=arithmetic_sft, which generates its records."
+        )
+
+    def make(path: Path) -> Path:
+        examples = generate_sft_examples(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg))
+        for ex in examples:  # the response under its configured key (write_jsonl renames prompt and label)
+            ex[data_cfg.response_key] = ex.pop("response")
+        return write_jsonl(examples, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
+
+    return ensure_generated(data_cfg.path, sft_fingerprint(data_cfg), make, regenerate=data_cfg.generate_if_missing)
+
+
+def generate_heldout(num: int, seed: int, exclude: Iterable[str],
+                     space: ProblemSpace = ProblemSpace()) -> list[dict[str, str]]:
+    """``num`` distinct problems of ``space`` (the training prompts' space, its ``heldout`` split when the training
+    data draws from a split), none of whose prompt text is in ``exclude``.
 
     Drawing from the same distribution keeps the held-out split comparable; excluding by prompt text (not by seed)
     holds whatever file the training prompts came from.
@@ -115,16 +182,18 @@ def generate_heldout(num: int, seed: int, exclude: Iterable[str]) -> list[dict[s
     if num <= 0:
         raise ValueError(f"num_generated_prompts={num}: must be positive to generate prompts")
     taken = set(exclude)
+    available = sum(len(v) for v in problems_of(space).values())
     rng = random.Random(seed)
     out: list[dict[str, str]] = []
-    for _ in range(1000 * num):  # the space holds ~21k problems: only a near-exhaustive training set runs out
-        problem = draw_problem(rng)
+    for _ in range(1000 * num):
+        problem = draw_problem(rng, space)
         if problem["prompt"] not in taken:
             taken.add(problem["prompt"])
             out.append(problem)
             if len(out) == num:
                 return out
-    raise ValueError(f"could draw only {len(out)} of {num} arithmetic problems outside the training prompts")
+    raise ValueError(f"could draw only {len(out)} of {num} arithmetic problems outside the training prompts "
+                     f"(split {space.split!r} holds {available})")
 
 
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike, *, prompt_key: str = "prompt",
@@ -151,16 +220,26 @@ def write_jsonl(records: Iterable[dict], path: str | os.PathLike, *, prompt_key:
     return out
 
 
+def prompts_fingerprint(data_cfg: DataConfig) -> dict:
+    """What a generated prompt file was made from; a cached file with another fingerprint is regenerated."""
+    return {"generator": "arithmetic", "prompt_template": PROMPT_TEMPLATE, "num": data_cfg.num_generated_prompts,
+            "seed": data_cfg.seed, "keys": [data_cfg.prompt_key, data_cfg.label_key],
+            "space": dataclasses.asdict(ProblemSpace.of(data_cfg)), "splits": SPLITS}
+
+
 def ensure_prompts(data_cfg: DataConfig) -> Path:
-    """The prompt file of ``data_cfg``, generated first when missing and ``data.generate_if_missing`` allows it."""
-    path = Path(data_cfg.path)
-    if path.is_file():
-        return path
-    if not data_cfg.generate_if_missing:
+    """The prompt file of ``data_cfg``, generated first when missing (or stale, when r3rl made it from another
+    draw) and ``data.generate_if_missing`` allows it."""
+    if not Path(data_cfg.path).is_file() and not data_cfg.generate_if_missing:
         raise FileNotFoundError(
             f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
             f"holding '{data_cfg.prompt_key}' and '{data_cfg.label_key}' (data={data_cfg.name}), or use "
             f"data=arithmetic, which generates its prompts."
         )
-    problems = generate_problems(data_cfg.num_generated_prompts, data_cfg.seed)
-    return write_jsonl(problems, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
+
+    def make(path: Path) -> Path:
+        problems = generate_problems(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg))
+        return write_jsonl(problems, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
+
+    return ensure_generated(data_cfg.path, prompts_fingerprint(data_cfg), make,
+                            regenerate=data_cfg.generate_if_missing)

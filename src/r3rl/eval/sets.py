@@ -7,13 +7,15 @@ generates it (the arithmetic held-out split, written at setup from the training 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from r3rl.config.schema import DataConfig, EvalSetConfig, R3RLConfig
-from r3rl.data.arithmetic import generate_heldout, write_jsonl
+from r3rl.data.arithmetic import (SPLITS, ProblemSpace, ensure_generated, generate_heldout, prompts_fingerprint,
+                                   write_jsonl)
 from r3rl.data.dataset import DataError, Prompt, PromptDataset, read_prompt_rows
 from r3rl.data.reward import math_reward
 
@@ -74,13 +76,21 @@ def eval_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
 def ensure_heldout(s: EvalSetConfig, data: DataConfig) -> Path:
     """The file of set ``s``; a generated set is drawn like the training prompts of ``data`` and excludes them."""
     path = Path(s.path)
-    if path.is_file() or not s.generate_if_missing:
+    if not s.generate_if_missing:
         return path
-    from r3rl.data.sft import prompt_texts  # GRPO's prompt files and SFT's prompt/response files alike
+    # training data drawn from a split of the problem space: the held-out split of the same space
+    space = ProblemSpace.of(data, split="heldout" if data.split != "all" else "all")
+    fingerprint = {"generator": "arithmetic_heldout", "num": s.num_generated_prompts, "seed": s.seed,
+                   "keys": [s.prompt_key, s.label_key], "space": dataclasses.asdict(space), "splits": SPLITS,
+                   "training": prompts_fingerprint(data)}
 
-    training = prompt_texts(data)
-    problems = generate_heldout(s.num_generated_prompts, s.seed, training)
-    return write_jsonl(problems, path, prompt_key=s.prompt_key, label_key=s.label_key)
+    def make(out: Path) -> Path:
+        from r3rl.data.sft import prompt_texts  # GRPO's prompt files and SFT's prompt/response files alike
+
+        problems = generate_heldout(s.num_generated_prompts, s.seed, prompt_texts(data), space)
+        return write_jsonl(problems, out, prompt_key=s.prompt_key, label_key=s.label_key)
+
+    return ensure_generated(path, fingerprint, make)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,10 @@ def build_tokenizer(vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # one token per digit, as Qwen's tokenizer splits numbers: BPE merges ("11" + "1" for 111, "94" whole) would
+    # make every sum a different lookup, and the tiny model could not learn arithmetic that carries to new numbers
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
@@ -95,8 +98,8 @@ def build_hf_config(model: ModelConfig, eos_token_id: int, pad_token_id: int):
 
 MARKER = "r3rl_generated.json"
 # bumped when generation changes for the same config, so cached checkpoints are regenerated
-# (2: the padding token's embedding row is random, not zero)
-GENERATOR_VERSION = 2
+# (2: the padding token's embedding row is random, not zero; 3: one token per digit)
+GENERATOR_VERSION = 3
 
 
 def _fingerprint(model: ModelConfig) -> dict:

@@ -25,6 +25,7 @@ with the interpreted original, so a vLLM upgrade that changes a kernel's contrac
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -342,8 +343,6 @@ BLOCK_TABLE_METHODS = {"gather_block_tables": _gather_block_tables, "compute_slo
 def remember_originals() -> dict[str, Any]:
     """Keep vLLM's kernels and ``BlockTables`` methods (once, before anything replaces them): the stand-ins hand
     them the launches they do not cover, and the tests run them as the reference."""
-    import importlib
-
     from vllm.v1.worker.gpu.block_table import BlockTables
 
     for name in KERNELS:
@@ -398,8 +397,9 @@ class InterpreterClock:
             self.kernels = {}
             if self._patched:
                 return
-            from triton.runtime.interpreter import InterpretedFunction
+            from vllm.triton_utils import triton  # vLLM's own Triton (a dependency of vLLM, not of r3rl)
 
+            InterpretedFunction = importlib.import_module(f"{triton.__name__}.runtime.interpreter").InterpretedFunction
             run = InterpretedFunction.run
             clock = self
 

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from r3rl.data.arithmetic import ensure_prompts, generate_problems
+from r3rl.data.arithmetic import (SPLITS, ProblemSpace, ensure_prompts, fingerprint_path, generate_heldout,
+                                  generate_problems, problems_of, split_of)
 from r3rl.data.reward import math_reward
 
 
@@ -31,7 +32,8 @@ def test_ensure_prompts_generates_once_where_the_config_points(tiny_cfg, tmp_pat
     assert path == tmp_path / "prompts" / "arith.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 20 and set(rows[0]) == {"prompt", "label"}
-    assert list((tmp_path / "prompts").iterdir()) == [path]  # no temporary file left behind
+    # no temporary file left behind: the file and its fingerprint
+    assert sorted((tmp_path / "prompts").iterdir()) == [path, fingerprint_path(path)]
     path.write_text('{"prompt": "mine", "label": "1"}\n')
     assert ensure_prompts(cfg).read_text() == '{"prompt": "mine", "label": "1"}\n'  # an existing file is kept
 
@@ -48,3 +50,59 @@ def test_missing_file_without_generation_names_the_key(tiny_cfg, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"data\.path=.*none\.jsonl: no such file"):
         ensure_prompts(cfg)
     assert not (tmp_path / "none.jsonl").exists()
+
+
+def canonical(prompt: str) -> tuple:
+    x, op, y = re.match(r"What is (\d+) ([-+*]) (\d+)\?", prompt).groups()
+    a, b = int(x), int(y)
+    return (op, *sorted((a, b))) if op in "+*" else (op, a, b)
+
+
+def test_splits_partition_the_space_and_keep_twins_together():
+    """sft, rl and heldout are disjoint and cover the space, and a + b always falls with b + a (so a held-out
+    problem is never a training problem with its operands swapped). Fails if the split hashed the operands in
+    their given order, or if the shares overlapped or left a gap."""
+    space = {split: problems_of(ProblemSpace("+-*", 19, split)) for split in SPLITS}
+    whole = problems_of(ProblemSpace("+-*", 19, "all"))
+    keys = {split: {(op, *pair) for op, pairs in ops.items() for pair in pairs} for split, ops in space.items()}
+    assert sum(len(k) for k in keys.values()) == sum(len(v) for v in whole.values())
+    assert not (keys["sft"] & keys["rl"] or keys["sft"] & keys["heldout"] or keys["rl"] & keys["heldout"])
+    for op in "+*":
+        for a in range(20):
+            for b in range(20):
+                assert split_of(a, op, b) == split_of(b, op, a)
+    assert all(len(k) > 20 for k in keys.values())
+
+
+def test_generated_sets_stay_in_their_split():
+    """GRPO's prompts (rl), the warm start's (sft) and the held-out eval (heldout) never share a problem, whatever
+    their seeds. Fails if generation ignored the split (every draw would come from the whole space)."""
+    rl = generate_problems(300, 1, ProblemSpace("+", 19, "rl"))
+    sft = generate_problems(300, 2, ProblemSpace("+", 19, "sft"))
+    held = generate_heldout(40, 3, [p["prompt"] for p in rl], ProblemSpace("+", 19, "heldout"))
+    assert len({p["prompt"] for p in held}) == 40
+    sets = [{canonical(p["prompt"]) for p in group} for group in (rl, sft, held)]
+    assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+    assert {split_of(a, op, b) for op, a, b in sets[2]} == {"heldout"}
+
+
+def test_a_generated_file_is_redrawn_when_its_space_changes(tiny_cfg, tmp_path):
+    """A prompt file r3rl generated is drawn again when the config asks for another space (its fingerprint differs);
+    one r3rl did not write is never touched. Fails if the cache were keyed by the path alone (a run would train on
+    the previous configuration's prompts)."""
+    cfg = dataclasses.replace(tiny_cfg.data, path=str(tmp_path / "p.jsonl"), num_generated_prompts=50, ops="+",
+                              max_operand=19, split="rl")
+    first = ensure_prompts(cfg).read_text()
+    assert ensure_prompts(cfg).read_text() == first
+    wider = ensure_prompts(dataclasses.replace(cfg, ops="-", max_operand=99, split="all")).read_text()
+    assert wider != first and " - " in wider and " + " not in wider
+    fingerprint_path(cfg.path).unlink()
+    assert ensure_prompts(cfg).read_text() == wider  # no fingerprint: not r3rl's file any more, kept as it is
+
+
+def test_an_empty_split_is_refused():
+    """A space with no problem in its split fails naming it (products of 0 and 1 have none held out). Fails if an
+    empty split gave an empty draw instead."""
+    assert all(split_of(a, "*", b) != "heldout" for a in range(2) for b in range(2))
+    with pytest.raises(ValueError, match="split 'heldout'"):
+        problems_of(ProblemSpace("*", 1, "heldout"))
