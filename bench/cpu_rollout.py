@@ -51,7 +51,7 @@ def engine_rate(cfg, prompts: list[list[int]], samples: int, sampling: SamplingC
         client.generate_sync(prompts, samples, sampling)  # warm-up: every batch shape the timed runs see
         info = rpc(engine.url, "r3rl_worker_info")
         rpc(engine.url, "r3rl_interpreter_clock", True)
-        procs = [psutil.Process(pid) for pid in engine.process_tree()]
+        procs = [psutil.Process(pid) for pid in engine.process_tree() if psutil.pid_exists(pid)]
         cpu0 = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
         rates, walls = [], 0.0
         for _ in range(repeats):
@@ -61,7 +61,7 @@ def engine_rate(cfg, prompts: list[list[int]], samples: int, sampling: SamplingC
             walls += wall
             rates.append(sum(s.response_length for s in out) / wall)
             assert all(s.routed_experts is not None for s in out) or not cfg.rollout.routing_replay
-        cpu = {f"{p.pid} {p.name()}": sum(p.cpu_times()[:2]) - cpu0[p.pid] for p in procs}
+        cpu = {f"{p.pid} {p.name()}": sum(p.cpu_times()[:2]) - cpu0[p.pid] for p in procs if p.is_running()}
         clock = rpc(engine.url, "r3rl_interpreter_clock", False)
     return {"cpu_s": cpu, "tok_s": statistics.median(rates), "runs": rates, "threads": info["torch_threads"],
             "stand_ins": info["stand_ins"], "interpreted_s": clock["seconds"], "wall_s": walls,

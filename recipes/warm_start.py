@@ -31,11 +31,13 @@ def sft_config(cfg: R3RLConfig) -> R3RLConfig:
     ws = cfg.warm_start
     data = dataclasses.replace(
         cfg.data, name="arithmetic_sft", split="sft", num_generated_prompts=ws.num_examples,
+        verbose_share=ws.verbose_share,
         path=str(Path(cfg.run.data_dir) / "sft" / f"arithmetic-warm-s{cfg.data.seed}-n{ws.num_examples}.jsonl"))
     return dataclasses.replace(
         cfg, recipe=dataclasses.replace(cfg.recipe, name="sft", run_name_suffix="-sft"), data=data,
         run=dataclasses.replace(cfg.run, num_steps=ws.num_steps, eval_every=0, save_every=ws.num_steps),
-        trainer=dataclasses.replace(cfg.trainer, lr=ws.lr, min_lr=ws.lr * 0.1),
+        # a constant rate: the cosine's tail teaches the tiny model too little arithmetic in a short warm start
+        trainer=dataclasses.replace(cfg.trainer, lr=ws.lr, min_lr=ws.lr),
         sft=dataclasses.replace(cfg.sft, batch_size=ws.batch_size))
 
 
@@ -51,8 +53,12 @@ def fingerprint(cfg: R3RLConfig) -> dict:
 
 def ensure(cfg: R3RLConfig) -> R3RLConfig:
     """``cfg`` starting from its warm start's HF folder, made first when no cached one matches (a no-op without
-    ``warm_start.enabled``)."""
+    ``warm_start.enabled``, or with data other than the generated arithmetic task)."""
     if not cfg.warm_start.enabled:
+        return cfg
+    if cfg.data.name != "arithmetic":
+        console.print(f"no SFT warm start: it is made for data=arithmetic, and data={cfg.data.name} starts from "
+                      f"model.checkpoint={cfg.model.checkpoint}")
         return cfg
     ensure_checkpoint(cfg.model)  # the generated model the warm start trains (fingerprinted by its config)
     print_ = json.dumps(fingerprint(cfg), sort_keys=True, default=str)

@@ -38,6 +38,8 @@ Token-level inputs are sequences with one 1-D array per sample (ragged) or 2-D a
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping, Sequence
 from typing import Union
 
@@ -63,7 +65,15 @@ LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR = "train/logprob_abs_diff_paired_delta_stde
 # figure -> the key of its standard error over samples
 STDERR_OF: dict[str, str] = {LOGPROB_ABS_DIFF: LOGPROB_ABS_DIFF_STDERR,
                              LOGPROB_ABS_DIFF_NO_REPLAY: LOGPROB_ABS_DIFF_NO_REPLAY_STDERR,
-                             LOGPROB_ABS_DIFF_PAIRED_DELTA: LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR}
+                             LOGPROB_ABS_DIFF_PAIRED_DELTA: LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR,
+                             "rollout/reward_mean": "rollout/reward_stderr"}
+# eval/<set>/avg@k and pass@k log their standard error over prompts as <key>_stderr (r3rl.eval.scoring)
+_EVAL_FIGURE = re.compile(r"eval/.+/(avg|pass)@\d+")
+
+
+def stderr_of(key: str) -> str | None:
+    """The key of the standard error logged with figure ``key``, if it has one."""
+    return STDERR_OF.get(key) or (f"{key}_stderr" if _EVAL_FIGURE.fullmatch(key) else None)
 TOKEN_MULT_PROB_ERROR = "train/token_mult_prob_error"
 # verl's rollout_corr/k3_kl, logged once by r3rl.train.correction (step_metrics no longer logs a train/ copy)
 K3_KL = "rollout_corr/k3_kl"
@@ -119,6 +129,8 @@ REWARD_MEAN = "rollout/reward_mean"
 REWARD_STD = "rollout/reward_std"
 REWARD_MIN = "rollout/reward_min"
 REWARD_MAX = "rollout/reward_max"
+# standard error of rollout/reward_mean, clustered by prompt (a group's samples share their prompt's difficulty)
+REWARD_STDERR = "rollout/reward_stderr"
 RESPONSE_LENGTH_MEAN = "rollout/response_length_mean"
 RESPONSE_LENGTH_MIN = "rollout/response_length_min"
 RESPONSE_LENGTH_MAX = "rollout/response_length_max"
@@ -395,12 +407,17 @@ def routing_flip_metrics(per_layer: Sequence[float] | np.ndarray,
     return out
 
 
-def reward_stats(rewards: Sequence[float]) -> dict[str, float]:
+def reward_stats(rewards: Sequence[float], groups: Sequence | None = None) -> dict[str, float]:
+    """Mean, spread and range of a step's rewards; with ``groups`` (each sample's prompt) the clustered standard
+    error of the mean too."""
     r = np.asarray(rewards, dtype=np.float64)
     if r.size == 0:
         return {}
-    return {REWARD_MEAN: float(r.mean()), REWARD_STD: float(r.std()), REWARD_MIN: float(r.min()),
-            REWARD_MAX: float(r.max())}
+    out = {REWARD_MEAN: float(r.mean()), REWARD_STD: float(r.std()), REWARD_MIN: float(r.min()),
+           REWARD_MAX: float(r.max())}
+    if groups is not None:
+        out[REWARD_STDERR] = clustered_stderr(r, np.asarray(groups))
+    return out
 
 
 def response_length_stats(lengths: Sequence[int]) -> dict[str, float]:
@@ -489,7 +506,7 @@ def step_metrics(
         out[LOSS] = float(loss)
     if grad_norm is not None:
         out[GRAD_NORM] = float(grad_norm)
-    out.update(reward_stats(rewards))
+    out.update(reward_stats(rewards, sample_groups))
     out.update(response_length_stats(response_lengths))
     if routing_flip_per_layer is not None:
         out.update(routing_flip_metrics(routing_flip_per_layer, routing_flip_per_layer_prompt))

@@ -85,8 +85,13 @@ def cpu_engine_env() -> dict[str, str]:
     - Triton runs Model Runner V2's kernels in its interpreter (through r3rl's placeholder ``cpu`` backend), except
       the per-step ones, which the worker swaps for torch (``r3rl.rollout.mrv2_cpu_kernels``): interpreted, they
       cost ~0.7 s per decode step of the tiny model.
+    - One engine process instead of engine core + worker (no busy-waiting between them).
     """
-    return {"TRITON_INTERPRET": "1", "R3RL_MRV2_TORCH_KERNELS": "1"}
+    return {"TRITON_INTERPRET": "1", "R3RL_MRV2_TORCH_KERNELS": "1",
+            # the worker inside the engine-core process (vLLM's uni executor): with the default multiprocess one,
+            # the engine core spins in sched_yield while the worker computes and the worker spins between steps,
+            # 0.4 of a core lost on a 2-core machine (bench/cpu_rollout.py)
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def server_command(device: str, checkpoint: str) -> list[str]:

@@ -194,6 +194,7 @@ class WarmStartConfig(Frozen):
     batch_size: int = 16
     lr: float = 2e-3
     num_examples: int = 4096
+    verbose_share: float = 0.0
 
 
 @dataclass
@@ -234,6 +235,8 @@ class DataConfig(Frozen):
     ops: str = "+-*"
     max_operand: int = 99
     split: str = "all"
+    # generated SFT solutions only: share written in the wordy style (r3rl.data.arithmetic.VERBOSE_TEMPLATE)
+    verbose_share: float = 0.0
 
 
 @dataclass

@@ -286,11 +286,11 @@ def validate(cfg: R3RLConfig) -> None:
         problems.extend(sft_data_problems(cfg))
 
     ws = cfg.warm_start
-    if ws.enabled and cfg.recipe.name == "grpo":
-        check(cfg.data.name == "arithmetic" and cfg.data.generate_if_missing, "warm_start.enabled",
-              f"the SFT warm start writes worked solutions of the generated arithmetic task (data=arithmetic); "
-              f"data={cfg.data.name} brings none: set warm_start.enabled=false and start from an SFT checkpoint "
-              "(model.checkpoint=...)")
+    # the warm start writes worked solutions of the generated arithmetic task; other data starts from model.checkpoint
+    if ws.enabled and cfg.recipe.name == "grpo" and cfg.data.name == "arithmetic":
+        check(cfg.data.generate_if_missing, "warm_start.enabled",
+              "the SFT warm start draws from the generated arithmetic task (data.generate_if_missing=true); with "
+              "a prompt file of your own, set warm_start.enabled=false and start from an SFT checkpoint")
         check(cfg.data.split != "sft", "data.split", "GRPO's prompts must not be the warm start's split (sft)")
         check(ws.num_steps >= 1 and ws.num_examples >= 1, "warm_start.num_steps",
               f"num_steps and num_examples must be >= 1, got {ws.num_steps} and {ws.num_examples}")

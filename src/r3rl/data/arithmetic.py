@@ -27,8 +27,13 @@ _PROBLEM = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")
 # end-of-turn token it stays within the CPU profile's 16-token responses (at most 13 tokens), so a model that learnt
 # it is never truncated before the box closes.
 SOLUTION_TEMPLATE = "{a} {op} {b} = \\boxed{{{answer}}}"
+# The wordy style of the same solution (``data.verbose_share`` of the records): about 20 tokens, so under the CPU
+# profile's 16-token responses it is cut before its box closes and scores 0. Cold-start data is like that (long
+# solutions, a short rollout budget); GRPO then has to learn to answer within the budget, a behaviour every prompt
+# shares, so it shows on the held-out set as well.
+VERBOSE_TEMPLATE = "Let me add the two numbers: {a} {op} {b} = \\boxed{{{answer}}}"
 # bumped when the solutions change, so cached SFT files are regenerated (their fingerprint records it)
-SOLUTION_VERSION = 1
+SOLUTION_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class ProblemSpace:
 # Disjoint shares of every problem space, by a stable hash of the problem with its operands in a canonical order
 # (a + b and b + a fall in the same split): the SFT warm start, GRPO's prompts and the held-out eval never share a
 # problem, whatever their seeds and counts. ``all``: the whole space.
-SPLITS: dict[str, tuple[float, float]] = {"sft": (0.0, 0.55), "rl": (0.55, 0.8), "heldout": (0.8, 1.0)}
+SPLITS: dict[str, tuple[float, float]] = {"sft": (0.0, 0.7), "rl": (0.7, 0.85), "heldout": (0.85, 1.0)}
 
 
 def split_of(a: int, op: str, b: int) -> str:
@@ -99,23 +104,27 @@ def generate_problems(num: int, seed: int, space: ProblemSpace = ProblemSpace())
     return [draw_problem(rng, space) for _ in range(num)]
 
 
-def worked_solution(prompt: str) -> tuple[str, str]:
+def worked_solution(prompt: str, verbose: bool = False) -> tuple[str, str]:
     """(response, label) for a prompt of ``PROMPT_TEMPLATE``: the equation and its result in ``\\boxed{}``, which
-    ``r3rl.data.reward.math_reward`` grades as correct."""
+    ``r3rl.data.reward.math_reward`` grades as correct (``verbose``: in ``VERBOSE_TEMPLATE``'s words)."""
     m = _PROBLEM.search(prompt)
     if m is None:
         raise ValueError(f"not an arithmetic prompt of r3rl.data.arithmetic: {prompt!r}")
     a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
     answer = _answer(a, op, b)
-    return SOLUTION_TEMPLATE.format(a=a, op=op, b=b, answer=answer), str(answer)
+    template = VERBOSE_TEMPLATE if verbose else SOLUTION_TEMPLATE
+    return template.format(a=a, op=op, b=b, answer=answer), str(answer)
 
 
-def generate_sft_examples(num: int, seed: int, space: ProblemSpace = ProblemSpace()) -> list[dict[str, str]]:
+def generate_sft_examples(num: int, seed: int, space: ProblemSpace = ProblemSpace(),
+                          verbose_share: float = 0.0) -> list[dict[str, str]]:
     """The problems of ``generate_problems(num, seed, space)`` (the same draw as the prompt file of that seed, count
-    and space) with a worked solution each: ``{"prompt", "label", "response"}``."""
+    and space) with a worked solution each, ``verbose_share`` of them in the wordy style (drawn from ``seed``):
+    ``{"prompt", "label", "response"}``."""
     out = []
+    styles = random.Random(seed + 1)
     for problem in generate_problems(num, seed, space):
-        response, label = worked_solution(problem["prompt"])
+        response, label = worked_solution(problem["prompt"], verbose=styles.random() < verbose_share)
         assert label == problem["label"]
         out.append({**problem, "response": response})
     return out
@@ -124,6 +133,7 @@ def generate_sft_examples(num: int, seed: int, space: ProblemSpace = ProblemSpac
 def sft_fingerprint(data_cfg: DataConfig) -> dict:
     """What a generated SFT file was made from; a cached file with another fingerprint is regenerated."""
     return {"generator": "arithmetic_sft", "solution_version": SOLUTION_VERSION, "template": SOLUTION_TEMPLATE,
+            "verbose_template": VERBOSE_TEMPLATE, "verbose_share": data_cfg.verbose_share,
             "prompt_template": PROMPT_TEMPLATE, "num": data_cfg.num_generated_prompts, "seed": data_cfg.seed,
             "keys": [data_cfg.prompt_key, data_cfg.label_key, data_cfg.response_key],
             "space": dataclasses.asdict(ProblemSpace.of(data_cfg)), "splits": SPLITS}
@@ -163,7 +173,8 @@ def ensure_sft_data(data_cfg: DataConfig) -> Path:
         )
 
     def make(path: Path) -> Path:
-        examples = generate_sft_examples(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg))
+        examples = generate_sft_examples(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg),
+                                         data_cfg.verbose_share)
         for ex in examples:  # the response under its configured key (write_jsonl renames prompt and label)
             ex[data_cfg.response_key] = ex.pop("response")
         return write_jsonl(examples, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)

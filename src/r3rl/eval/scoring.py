@@ -29,6 +29,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def metric_keys(name: str, k: int) -> dict[str, str]:
     base = f"eval/{name}"
     return {"avg": f"{base}/avg@{k}", "avg_stderr": f"{base}/avg@{k}_stderr", "pass": f"{base}/pass@{k}",
+            "pass_stderr": f"{base}/pass@{k}_stderr",
             "length": f"{base}/response_length_mean", "truncated": f"{base}/truncated_share"}
 
 
@@ -45,12 +46,14 @@ def set_metrics(name: str, k: int, rewards: Sequence[float], groups: Sequence[in
         counts = sorted({len(x) for x in per_prompt})
         raise ValueError(f"eval set {name}: every prompt needs k={k} samples, got {counts}")
     means = np.asarray([x.mean() for x in per_prompt])
+    passes = np.asarray([pass_at_k(k, int((x >= CORRECT).sum()), k) for x in per_prompt])
     keys = metric_keys(name, k)
     return {
         keys["avg"]: float(means.mean()),
         # prompts are the independent draws: the spread of their means, not of single samples
         keys["avg_stderr"]: float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else math.nan,
-        keys["pass"]: float(np.mean([pass_at_k(k, int((x >= CORRECT).sum()), k) for x in per_prompt])),
+        keys["pass"]: float(passes.mean()),
+        keys["pass_stderr"]: float(passes.std(ddof=1) / math.sqrt(len(passes))) if len(passes) > 1 else math.nan,
         keys["length"]: float(np.mean(lengths)),
         keys["truncated"]: float(np.mean(np.asarray(truncated, dtype=np.float64))),
     }

@@ -1,6 +1,6 @@
 """The table printed at the end of a run: the key metrics over the steps logged.
 
-A figure with a standard error over samples (``metrics.STDERR_OF``) shows it next to it: per step for first and
+A figure with a standard error over samples (``metrics.stderr_of``) shows it next to it: per step for first and
 last, and for the mean over steps the standard error of that mean (steps are independent batches:
 sqrt(sum of squared per-step errors) / steps).
 """
@@ -60,7 +60,7 @@ def summarize(history: Sequence[Mapping[str, Any]],
             "mean": sum(finite) / len(finite) if finite else math.nan,
             "min": min(finite) if finite else math.nan, "max": max(finite) if finite else math.nan,
         }
-        se_key = M.STDERR_OF.get(key)
+        se_key = M.stderr_of(key)
         if se_key is not None and all(se_key in row for row in rows):
             errors = [float(row[se_key]) for row in rows]
             kept = [e for v, e in zip(values, errors) if not math.isnan(v)]

@@ -18,16 +18,19 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 # a quarter of the default run's step (16 samples, not 64): these tests check behaviour, not the figures
-SMALL_STEP = ("algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4")
+SMALL_STEP = ("algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4", "algorithm.global_batch_size=16")
 # an eval point of 4 held-out prompts x 2 samples (the default: 8 x 2)
 SMALL_EVAL = ("eval.sets.arithmetic.num_generated_prompts=4", "eval.sets.arithmetic.n_samples_per_prompt=2")
+# behaviour, not learning: the random tiny model without the SFT warm start, and partial credit for near misses so
+# its rewards still differ within a group (every step then moves the weights the syncs must deliver)
+PLUMBING = ("warm_start.enabled=false", "data.partial_credit=0.1")
 EVAL_KEYS = ("eval/arithmetic/avg@2", "eval/arithmetic/pass@2", "eval/arithmetic/response_length_mean",
              "eval/arithmetic/truncated_share", "perf/eval_time_s")
 
 
 def recipe_cmd(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}",
-            f"rollout.engine.base_port={free_port()}", *SMALL_STEP, *SMALL_EVAL, *overrides]
+            f"rollout.engine.base_port={free_port()}", *PLUMBING, *SMALL_STEP, *SMALL_EVAL, *overrides]
 
 
 def run_recipe(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:

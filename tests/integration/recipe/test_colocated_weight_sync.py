@@ -12,7 +12,7 @@ import torch
 
 from r3rl.config.schema import SamplingConfig
 
-from .conftest import SMALL_STEP, assert_nothing_left, free_port
+from .conftest import PLUMBING, SMALL_STEP, assert_nothing_left, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def hf_logprobs(model_dir, tokens: np.ndarray, prompt_len: int) -> np.ndarray:
 def test_colocated_engine_serves_the_trainers_weights_after_a_step(tmp_path, compose_cfg, tiny_model_dir):
     from recipes.grpo import GRPORecipe
 
-    cfg = compose_cfg("parallelism=cpu", "parallelism.colocated=true", "parallelism.gpus_per_node=1",
+    cfg = compose_cfg("parallelism=cpu", *PLUMBING, "parallelism.colocated=true", "parallelism.gpus_per_node=1",
                       f"run.output_dir={tmp_path}", "run.num_steps=1", "run.eval_every=0",
                       "rollout.engine.dtype=float32",
                       "logger.wandb.mode=disabled", f"rollout.engine.base_port={free_port()}", *SMALL_STEP,

@@ -17,7 +17,7 @@ from r3rl import checkpoint
 from r3rl.config.schema import SamplingConfig
 from r3rl.rollout.weights import weight_version
 
-from .conftest import assert_nothing_left, free_port, pid_alive, start_recipe, wait_for
+from .conftest import PLUMBING, assert_nothing_left, free_port, pid_alive, start_recipe, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def prefix_cache_hits(url: str) -> float:
 def test_each_sync_serves_the_trainers_weights_and_no_stale_prefix(tmp_path, compose_cfg, tiny_model_dir):
     from recipes.grpo import GRPORecipe
 
-    cfg = compose_cfg("parallelism=cpu", f"run.output_dir={tmp_path}", "run.num_steps=2", "run.eval_every=0",
+    cfg = compose_cfg("parallelism=cpu", *PLUMBING, f"run.output_dir={tmp_path}", "run.num_steps=2", "run.eval_every=0",
                       "rollout.engine.dtype=float32", "logger.wandb.mode=disabled",
                       f"rollout.engine.base_port={free_port()}", "rollout.weight_sync.bucket_mb=0.5",
                       # a large step so one update visibly moves the log-probs

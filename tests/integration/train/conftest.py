@@ -35,7 +35,7 @@ def policy(tiny_model_dir):
     from r3rl.config import compose
     from r3rl.train.trainer import MegatronTrainer
 
-    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", "trainer.micro_batch_size=4"]))
+    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", "trainer.micro_batch_size=4"]))
     yield trainer
     trainer.shutdown()
 
@@ -49,7 +49,7 @@ def new_trainer(tiny_model_dir):
     made = []
 
     def make(*overrides: str):
-        trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", *overrides]))
+        trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", *overrides]))
         made.append(trainer)
         return trainer
 

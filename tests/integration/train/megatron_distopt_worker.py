@@ -42,7 +42,7 @@ def run(samples, advantages, ckpt: str, overrides: list[str]) -> dict:
     from r3rl.config import compose
     from r3rl.train.trainer import MegatronTrainer
 
-    cfg = compose(["model=tiny_moe", "parallelism=cpu", *overrides])
+    cfg = compose(["model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", *overrides])
     trainer = MegatronTrainer(cfg)
     try:
         first = trainer.train_step(samples, advantages, replay=True)

@@ -18,7 +18,7 @@ def run(samples, advantages, overrides: list[str]) -> dict:
     from r3rl.config import compose
     from r3rl.train.trainer import MegatronTrainer
 
-    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", *overrides]))
+    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", *overrides]))
     try:
         recorded = trainer.record_routes(samples)
         replayed = trainer.logprobs(samples, replay=True)
@@ -42,7 +42,7 @@ def export(out_dir: str, overrides: list[str]) -> dict:
     from r3rl.config import compose
     from r3rl.train.trainer import MegatronTrainer
 
-    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", *overrides]))
+    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", *overrides]))
     try:
         trainer.export_hf(Path(out_dir) / "hf")
         stream = trainer.weight_stream()

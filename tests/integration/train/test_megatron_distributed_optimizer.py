@@ -27,7 +27,7 @@ MEMORY_PARTS = ("weights", "gradients", "master weights", "optimizer state")
 
 
 def estimated(overrides: list[str]) -> dict[str, int]:
-    cfg = compose(["model=tiny_moe", "parallelism=cpu", *overrides])
+    cfg = compose(["model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", *overrides])
     plan = estimate(cfg, "float32", "bfloat16")
     trainer_gpu = plan.gpus[0]
     return {p.name: p.bytes for role, p in trainer_gpu.parts if role == "trainer" and p.name in MEMORY_PARTS}

@@ -33,7 +33,7 @@ def make(*overrides: str):
     from r3rl.config import compose
     from r3rl.train.trainer import MegatronTrainer
 
-    return MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", *GPU_TRAINER, *overrides]))
+    return MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", *GPU_TRAINER, *overrides]))
 
 
 def test_distributed_optimizer_with_cpu_offload_steps_and_resumes(batch, tmp_path, tiny_model_dir):

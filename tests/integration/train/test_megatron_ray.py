@@ -48,7 +48,8 @@ class Rank:
         from r3rl.train.trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(compose([
-            "model=tiny_moe", "parallelism=cpu", "parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2",
+            "model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", "parallelism.gpus_per_node=3",
+            "parallelism.trainer.num_gpus=2",
             "parallelism.trainer.expert_parallel=2", "trainer.micro_batch_size=2"]))
 
     def step(self, samples, advantages):

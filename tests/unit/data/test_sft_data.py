@@ -45,6 +45,22 @@ def test_every_solution_is_graded_correct_and_fits_the_cpu_response_limit(tokeni
         worked_solution("Tell me a story.")
 
 
+def test_wordy_solutions_are_the_share_asked_for_and_cut_before_their_answer(tokenizer):
+    """The warm start's wordy solutions (``verbose_share``) are that share of the records, correct in full, and
+    longer than the CPU profile's 16-token responses: cut there, they score 0 (the behaviour GRPO learns to avoid),
+    while the concise ones fit. Fails if the share were ignored, or if the wordy style fitted the budget (the
+    learning run would have nothing to learn but arithmetic)."""
+    examples = generate_sft_examples(1000, 7, verbose_share=0.5)
+    wordy = [e for e in examples if e["response"].startswith("Let me")]
+    assert 0.45 < len(wordy) / len(examples) < 0.55
+    assert [e["prompt"] for e in examples] == [e["prompt"] for e in generate_sft_examples(1000, 7)]
+    for e in examples:
+        ids = tokenizer(e["response"], add_special_tokens=False)["input_ids"]
+        assert math_reward(e["response"], e["label"]) == 1.0
+        cut = tokenizer.decode(ids[:16])
+        assert (math_reward(cut, e["label"]) == 1.0) == (e not in wordy), e
+
+
 def test_generated_file_is_cached_by_fingerprint_and_a_users_file_is_never_rewritten(sft_data):
     """Fails if the cached file is rewritten on every run, kept when its fingerprint is stale, or if a file r3rl did
     not make (no fingerprint) is overwritten."""

@@ -1,0 +1,86 @@
+"""The learning figure: the default learning run with routing replay and without, same seeds, side by side.
+
+    python bench/learning_curve.py [--out outputs/learning] [--steps 20] [override ...]
+
+Runs ``python run.py rollout=vllm_r3`` and ``python run.py rollout=vllm`` one after the other (the default CPU
+recipe: SFT warm start, cached and shared by both, then GRPO), each into its own folder under ``--out``, then reads
+both W&B offline runs and prints, per step, the rollout reward mean +- its standard error (clustered by prompt), and
+per eval point avg@k and pass@k +- their standard errors (over prompts). The gain is the last eval point's avg@k
+minus the first's, over the standard error of that difference taken as independent (sqrt(se_first^2 + se_last^2):
+conservative, the same prompts at both points make the true error smaller). It writes the comparison picture
+(``--out/comparison.png``, by ``r3rl.dashboard``). Last line:
+``learning: eval avg@k gain <g> (<n> standard errors); R3 <g3>, no replay <g0>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from r3rl.tracking.offline_reader import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = (("R3", "vllm_r3"), ("no replay", "vllm"))
+
+
+def eval_keys(row: dict) -> tuple[str, str] | None:
+    """The first eval set's (avg@k, pass@k) keys in ``row``."""
+    avg = next((k for k in sorted(row) if k.startswith("eval/") and "/avg@" in k and not k.endswith("_stderr")), None)
+    return None if avg is None else (avg, avg.replace("/avg@", "/pass@"))
+
+
+def summarise(label: str, folder: Path) -> tuple[float, float]:
+    run = read_run(folder)
+    print(f"\n{label} ({folder}):")
+    print(f"{'step':>5} {'reward mean +- se':>20}")
+    points = []
+    for row in run.history:
+        if "rollout/reward_mean" in row:
+            se = row.get("rollout/reward_stderr", math.nan)
+            print(f"{row['_step']:>5} {row['rollout/reward_mean']:>10.3f} +- {se:.3f}")
+        keys = eval_keys(row)
+        if keys is not None:
+            points.append((row["_step"], *(row[k] for k in keys), row.get(keys[0] + "_stderr", math.nan),
+                           row.get(keys[1] + "_stderr", math.nan), keys))
+    if not points:
+        raise SystemExit(f"{folder}: no eval point logged (run.eval_every=0?)")
+    avg_key, pass_key = points[0][-1]
+    print(f"{'eval step':>9} {avg_key.split('/')[-1] + ' +- se':>18} {pass_key.split('/')[-1] + ' +- se':>18}")
+    for step, avg, pas, avg_se, pas_se, _ in points:
+        print(f"{step:>9} {avg:>9.3f} +- {avg_se:.3f} {pas:>9.3f} +- {pas_se:.3f}")
+    first, last = points[0], points[-1]
+    gain = last[1] - first[1]
+    se = math.hypot(first[3], last[3])
+    print(f"gain {avg_key.split('/')[-1]}: {gain:+.3f} +- {se:.3f} (steps {first[0]} -> {last[0]})")
+    return gain, se
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="outputs/learning")
+    parser.add_argument("--steps", type=int, default=None, help="run.num_steps (default: the recipe's)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    folders = []
+    for label, rollout in RUNS:
+        folder = out / rollout
+        cmd = [sys.executable, "run.py", f"rollout={rollout}", f"run.output_dir={folder}", *args.overrides]
+        if args.steps is not None:
+            cmd.append(f"run.num_steps={args.steps}")
+        print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+        folders.append(folder)
+    gains = [summarise(label, folder) for (label, _), folder in zip(RUNS, folders)]
+    subprocess.run([sys.executable, "-m", "r3rl.dashboard", "--runs", *map(str, folders), "--out", str(out)],
+                   cwd=REPO, check=False, stdout=subprocess.DEVNULL)
+    print(f"\ncomparison picture: {out / 'comparison.png'}")
+    (g3, se3), (g0, _) = gains
+    print(f"learning: eval avg@k gain {g3:.3f} ({g3 / se3:.1f} standard errors); R3 {g3:.3f}, no replay {g0:.3f}")
+
+
+if __name__ == "__main__":
+    main()

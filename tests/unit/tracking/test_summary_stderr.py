@@ -1,0 +1,23 @@
+"""The end-of-run summary shows the learning figures with their standard errors."""
+
+from __future__ import annotations
+
+from r3rl.tracking.summary import fmt_cell, summarize
+
+
+def test_reward_and_eval_first_and_last_carry_their_standard_errors():
+    """Reward mean (clustered by prompt) and eval avg@k / pass@k (over prompts) show ``value ± se`` at the first and
+    last point, so a user sees at the end of ``make run`` whether the held-out score rose by more than its error.
+    Fails if ``metrics.stderr_of`` no longer maps those figures to their ``_stderr`` keys."""
+    history = [
+        {"_step": 0, "eval/arithmetic/avg@4": 0.1, "eval/arithmetic/avg@4_stderr": 0.02,
+         "eval/arithmetic/pass@4": 0.2, "eval/arithmetic/pass@4_stderr": 0.05},
+        {"_step": 1, "rollout/reward_mean": 0.3, "rollout/reward_stderr": 0.04},
+        {"_step": 2, "rollout/reward_mean": 0.5, "rollout/reward_stderr": 0.03, "eval/arithmetic/avg@4": 0.4,
+         "eval/arithmetic/avg@4_stderr": 0.03, "eval/arithmetic/pass@4": 0.6, "eval/arithmetic/pass@4_stderr": 0.06},
+    ]
+    out = summarize(history)
+    assert fmt_cell(out["rollout/reward_mean"], "first") == "0.3 ± 0.04"
+    assert fmt_cell(out["rollout/reward_mean"], "last") == "0.5 ± 0.03"
+    assert fmt_cell(out["eval/arithmetic/avg@4"], "first") == "0.1 ± 0.02"
+    assert fmt_cell(out["eval/arithmetic/pass@4"], "last") == "0.6 ± 0.06"
