@@ -6,8 +6,9 @@ Runs ``python run.py rollout=vllm_r3`` and ``python run.py rollout=vllm`` one af
 recipe: SFT warm start, cached and shared by both, then GRPO), each into its own folder under ``--out``, then reads
 both W&B offline runs and prints, per step, the rollout reward mean +- its standard error (clustered by prompt), and
 per eval point avg@k and pass@k +- their standard errors (over prompts). The gain is the last eval point's avg@k
-minus the first's, over the standard error of that difference taken as independent (sqrt(se_first^2 + se_last^2):
-conservative, the same prompts at both points make the true error smaller). It writes the comparison picture
+minus the first's; its standard error is that of the mean per-prompt change (the same prompts at both points, from
+the per-prompt scores the recipe records under ``eval/``), or without those records the two points' errors
+combined as if independent. It writes the comparison picture
 (``--out/comparison.png``, by ``r3rl.dashboard``). Last line:
 ``learning: eval avg@k gain <g> (<n> standard errors); R3 <g3>, no replay <g0>``.
 """
@@ -15,6 +16,7 @@ conservative, the same prompts at both points make the true error smaller). It w
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import subprocess
 import sys
@@ -53,9 +55,23 @@ def summarise(label: str, folder: Path) -> tuple[float, float]:
         print(f"{step:>9} {avg:>9.3f} +- {avg_se:.3f} {pas:>9.3f} +- {pas_se:.3f}")
     first, last = points[0], points[-1]
     gain = last[1] - first[1]
-    se = math.hypot(first[3], last[3])
-    print(f"gain {avg_key.split('/')[-1]}: {gain:+.3f} +- {se:.3f} (steps {first[0]} -> {last[0]})")
+    paired = paired_stderr(folder, avg_key.split("/")[1], first[0], last[0])
+    se = paired if paired is not None else math.hypot(first[3], last[3])
+    kind = "paired over prompts" if paired is not None else "the two points' errors combined"
+    print(f"gain {avg_key.split('/')[-1]}: {gain:+.3f} +- {se:.3f} ({kind}; steps {first[0]} -> {last[0]})")
     return gain, se
+
+
+def paired_stderr(folder: Path, name: str, first: int, last: int) -> float | None:
+    """Standard error of the mean per-prompt change between two eval points (the recipe records per-prompt scores
+    under ``eval/``); None without the records."""
+    files = [folder / "eval" / f"{name}-step{step:06d}.json" for step in (first, last)]
+    if not all(f.is_file() for f in files):
+        return None
+    a, b = (json.loads(f.read_text())["prompt_means"] for f in files)
+    diffs = [y - x for x, y in zip(a, b)]
+    mean = sum(diffs) / len(diffs)
+    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
 
 
 def main() -> None:

@@ -100,7 +100,8 @@ class Recipe:
         if engines:
             with console.status(f"starting {len(self.plan.engines) or 1} vLLM engine(s)"):
                 self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
-            self.evaluator = Evaluator.from_config(cfg, eval_sets, self.engines.urls, self.tokenizer, console)
+            self.evaluator = Evaluator.from_config(cfg, eval_sets, self.engines.urls, self.tokenizer, console,
+                                                   record_dir=self.run_dir / "eval")
             self.engines_started()
         self._write_process_table()
         if engines:

@@ -9,8 +9,10 @@ weights only. ``stop()`` returning true (SIGTERM) abandons the point: its reques
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -31,19 +33,24 @@ class EvalInterrupted(Exception):
 
 
 class Evaluator:
-    def __init__(self, sets: list[EvalSet], client: RolloutClient, tokenizer: Any, console: Console) -> None:
+    def __init__(self, sets: list[EvalSet], client: RolloutClient, tokenizer: Any, console: Console,
+                 record_dir: Path | None = None) -> None:
         self.sets = sets
         self.client = client
         self.tokenizer = tokenizer
         self.console = console
+        # per-prompt scores of every eval point (<set>-step<N>.json): the same prompts at two points give a paired
+        # standard error of the change (bench/learning_curve.py), tighter than the two points' errors combined
+        self.record_dir = record_dir
 
     @classmethod
-    def from_config(cls, cfg, sets: list[EvalSet], urls, tokenizer: Any, console: Console) -> Evaluator:
+    def from_config(cls, cfg, sets: list[EvalSet], urls, tokenizer: Any, console: Console,
+                    record_dir: Path | None = None) -> Evaluator:
         m, eng = cfg.model, cfg.rollout.engine
         client = RolloutClient(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
                                routing_replay=False, max_concurrency=eng.max_concurrency,
                                request_timeout_s=eng.request_timeout_s)
-        return cls(sets, client, tokenizer, console)
+        return cls(sets, client, tokenizer, console, record_dir)
 
     def evaluate(self, step: int, stop: Callable[[], bool]) -> dict[str, float]:
         """``eval/<set>/...`` for every set and ``perf/eval_time_s``, for the weights after ``step``."""
@@ -54,16 +61,26 @@ class Evaluator:
             if any(x.status == SampleStatus.ABORTED for x in samples):
                 raise EngineError(f"eval {s.name} at step {step}: the engine aborted samples")
             texts = [self.tokenizer.decode(x.response_ids, skip_special_tokens=True) for x in samples]
+            rewards = [s.score(t, x.label) for t, x in zip(texts, samples)]
             values.update(set_metrics(
-                s.name, s.cfg.n_samples_per_prompt,
-                rewards=[s.score(t, x.label) for t, x in zip(texts, samples)],
+                s.name, s.cfg.n_samples_per_prompt, rewards=rewards,
                 groups=[x.group for x in samples], lengths=[x.response_length for x in samples],
                 truncated=[x.status == SampleStatus.TRUNCATED for x in samples]))
+            if self.record_dir is not None:
+                self._record(s.name, step, rewards, [x.group for x in samples])
             k = s.cfg.n_samples_per_prompt
             self.console.print(f"eval {s.name} at step {step}: avg@{k} {values[f'eval/{s.name}/avg@{k}']:.3f}, "
                                f"pass@{k} {values[f'eval/{s.name}/pass@{k}']:.3f} ({len(s.prompts)} prompts x {k})")
         values[EVAL_TIME] = time.perf_counter() - started
         return values
+
+    def _record(self, name: str, step: int, rewards: list[float], groups: list[int]) -> None:
+        per_prompt: dict[int, list[float]] = {}
+        for r, g in zip(rewards, groups):
+            per_prompt.setdefault(int(g), []).append(float(r))
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        (self.record_dir / f"{name}-step{step:06d}.json").write_text(json.dumps(
+            {"set": name, "step": step, "prompt_means": [sum(v) / len(v) for _, v in sorted(per_prompt.items())]}))
 
     async def _generate(self, s: EvalSet, step: int, stop: Callable[[], bool]):
         task = asyncio.create_task(self.client.generate(
