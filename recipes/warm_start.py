@@ -44,7 +44,10 @@ def sft_config(cfg: R3RLConfig) -> R3RLConfig:
 def fingerprint(cfg: R3RLConfig) -> dict:
     """Everything that shapes the warm start's weights."""
     sft = sft_config(cfg)
-    keep = lambda node: {k: v for k, v in vars(node).items() if not k.startswith("_")}  # noqa: E731
+
+    def keep(node) -> dict:
+        return {k: v for k, v in vars(node).items() if not k.startswith("_")}
+
     return {"version": WARM_START_VERSION, "solution_version": SOLUTION_VERSION, "model": keep(cfg.model),
             "data": {k: v for k, v in keep(sft.data).items() if k != "path"}, "warm_start": keep(cfg.warm_start),
             "trainer": {k: v for k, v in keep(sft.trainer).items() if not isinstance(v, dict)},
@@ -61,9 +64,9 @@ def ensure(cfg: R3RLConfig) -> R3RLConfig:
                       f"model.checkpoint={cfg.model.checkpoint}")
         return cfg
     ensure_checkpoint(cfg.model)  # the generated model the warm start trains (fingerprinted by its config)
-    print_ = json.dumps(fingerprint(cfg), sort_keys=True, default=str)
+    made_from = json.dumps(fingerprint(cfg), sort_keys=True, default=str)
     folder = Path(cfg.run.data_dir).resolve() / "warm_start" / (
-        f"{cfg.model.name}-" + hashlib.sha256(print_.encode()).hexdigest()[:12])
+        f"{cfg.model.name}-" + hashlib.sha256(made_from.encode()).hexdigest()[:12])
     hf = folder / "hf"
     marker = folder / MARKER
     if not (marker.is_file() and (hf / "config.json").is_file()):
@@ -79,7 +82,7 @@ def ensure(cfg: R3RLConfig) -> R3RLConfig:
         sft_recipe.run_recipe(sft)
         if not (hf / "config.json").is_file():
             raise RuntimeError(f"the SFT warm start wrote no HF checkpoint in {hf}; its run is in {folder}")
-        marker.write_text(print_)
+        marker.write_text(made_from)
         console.rule("[bold]GRPO from the warm start")
     else:
         console.print(f"SFT warm start (cached): {hf}")

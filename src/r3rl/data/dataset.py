@@ -52,11 +52,9 @@ def _messages(value: Any, where: str, key: str, config_key: str) -> list[dict[st
     )
 
 
-def read_prompt_rows(path: Path, pkey: str, lkey: str,
-                     config_key: str = "data") -> list[tuple[int, list[dict[str, str]] | str, str]]:
-    """(line, prompt, label) of every record of a JSONL prompt file; a bad record raises DataError naming the file,
-    the line and the ``<config_key>.*_key`` to check. Needs no tokenizer, so configs are checked before launch."""
-    rows = []
+def jsonl_objects(path: str | Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(line number, ``file:line``, object) of every non-blank line of a JSONL file; a line that is not a JSON
+    object raises DataError naming it."""
     with Path(path).open(encoding="utf-8") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -68,16 +66,25 @@ def read_prompt_rows(path: Path, pkey: str, lkey: str,
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key, cfg_key in ((pkey, f"{config_key}.prompt_key"), (lkey, f"{config_key}.label_key")):
-                if key not in obj:
-                    raise DataError(
-                        f"{where}: no key '{key}' ({cfg_key}={key}); the line has {sorted(obj)}. "
-                        f"Set {cfg_key} to the key that holds it."
-                    )
-            label = obj[lkey]
-            if isinstance(label, (dict, list)) or label is None:
-                raise DataError(f"{where}: '{lkey}' must be a string or a number ({config_key}.label_key={lkey})")
-            rows.append((lineno, _messages(obj[pkey], where, pkey, config_key), str(label)))
+            yield lineno, where, obj
+
+
+def read_prompt_rows(path: Path, pkey: str, lkey: str,
+                     config_key: str = "data") -> list[tuple[int, list[dict[str, str]] | str, str]]:
+    """(line, prompt, label) of every record of a JSONL prompt file; a bad record raises DataError naming the file,
+    the line and the ``<config_key>.*_key`` to check. Needs no tokenizer, so configs are checked before launch."""
+    rows = []
+    for lineno, where, obj in jsonl_objects(path):
+        for key, cfg_key in ((pkey, f"{config_key}.prompt_key"), (lkey, f"{config_key}.label_key")):
+            if key not in obj:
+                raise DataError(
+                    f"{where}: no key '{key}' ({cfg_key}={key}); the line has {sorted(obj)}. "
+                    f"Set {cfg_key} to the key that holds it."
+                )
+        label = obj[lkey]
+        if isinstance(label, (dict, list)) or label is None:
+            raise DataError(f"{where}: '{lkey}' must be a string or a number ({config_key}.label_key={lkey})")
+        rows.append((lineno, _messages(obj[pkey], where, pkey, config_key), str(label)))
     if not rows:
         raise DataError(f"{path}: no prompts (the file is empty)")
     return rows

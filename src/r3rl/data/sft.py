@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from r3rl.config.schema import DataConfig
-from r3rl.data.dataset import DataError, PromptDataset, _messages
+from r3rl.data.dataset import DataError, PromptDataset, _messages, jsonl_objects
 from r3rl.sample import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -36,38 +36,28 @@ def read_sft_rows(path: str | Path, cfg: DataConfig, config_key: str = "data") -
     the file, the line and the ``<config_key>.*_key`` to check. Needs no tokenizer (configs are checked before
     launch)."""
     rows: list[Row] = []
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            label = obj.get(cfg.label_key)
-            label = None if isinstance(label, (dict, list)) or label is None else str(label)
-            if cfg.messages_key in obj:
-                chat = _messages(obj[cfg.messages_key], where, cfg.messages_key, config_key)
-                if isinstance(chat, str) or len(chat) < 2 or chat[-1]["role"] != "assistant":
-                    raise DataError(f"{where}: '{cfg.messages_key}' must be a list of {{'role', 'content'}} "
-                                    f"messages whose last one, the response, has role 'assistant' "
-                                    f"({config_key}.messages_key={cfg.messages_key})")
-                rows.append((lineno, chat[:-1], chat[-1]["content"], label))
-                continue
-            missing = [k for k in (cfg.prompt_key, cfg.response_key) if k not in obj]
-            if missing:
-                raise DataError(
-                    f"{where}: no key {missing[0]!r}; an SFT record holds '{cfg.prompt_key}' and '{cfg.response_key}' "
-                    f"({config_key}.prompt_key, {config_key}.response_key) or '{cfg.messages_key}' "
-                    f"({config_key}.messages_key); the line has {sorted(obj)}")
-            response = obj[cfg.response_key]
-            if not isinstance(response, str) or not response:
-                raise DataError(f"{where}: '{cfg.response_key}' must be a non-empty string "
-                                f"({config_key}.response_key={cfg.response_key})")
-            rows.append((lineno, _messages(obj[cfg.prompt_key], where, cfg.prompt_key, config_key), response, label))
+    for lineno, where, obj in jsonl_objects(path):
+        label = obj.get(cfg.label_key)
+        label = None if isinstance(label, (dict, list)) or label is None else str(label)
+        if cfg.messages_key in obj:
+            chat = _messages(obj[cfg.messages_key], where, cfg.messages_key, config_key)
+            if isinstance(chat, str) or len(chat) < 2 or chat[-1]["role"] != "assistant":
+                raise DataError(f"{where}: '{cfg.messages_key}' must be a list of {{'role', 'content'}} "
+                                f"messages whose last one, the response, has role 'assistant' "
+                                f"({config_key}.messages_key={cfg.messages_key})")
+            rows.append((lineno, chat[:-1], chat[-1]["content"], label))
+            continue
+        missing = [k for k in (cfg.prompt_key, cfg.response_key) if k not in obj]
+        if missing:
+            raise DataError(
+                f"{where}: no key {missing[0]!r}; an SFT record holds '{cfg.prompt_key}' and '{cfg.response_key}' "
+                f"({config_key}.prompt_key, {config_key}.response_key) or '{cfg.messages_key}' "
+                f"({config_key}.messages_key); the line has {sorted(obj)}")
+        response = obj[cfg.response_key]
+        if not isinstance(response, str) or not response:
+            raise DataError(f"{where}: '{cfg.response_key}' must be a non-empty string "
+                            f"({config_key}.response_key={cfg.response_key})")
+        rows.append((lineno, _messages(obj[cfg.prompt_key], where, cfg.prompt_key, config_key), response, label))
     if not rows:
         raise DataError(f"{path}: no records (the file is empty)")
     return rows
