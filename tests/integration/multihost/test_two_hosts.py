@@ -18,6 +18,9 @@ slow = pytest.mark.slow
 
 JOB_TIMEOUT = 240
 RUN_TIMEOUT = 900
+# these runs are about placement and transport: the random model without the SFT warm start (which scale/cpu_2n.yaml
+# inherits from scale/cpu.yaml), partial credit so its steps still train
+PLUMBING = ("warm_start.enabled=false", "data.partial_credit=0.1")
 
 
 def _wait_for(predicate, what: str, launch2, job: str, timeout: float):
@@ -67,7 +70,7 @@ def test_recipe_trains_on_host_a_and_serves_from_host_b(slurm2, launch2, hosts, 
     a, b = hosts.hosts
     out = tmp_path / "run"
     job = launch2.submit("--nodes=2", "--gres=gpu:1", overrides=(
-        "parallelism=cpu_2n", f"run.output_dir={out}", "run.num_steps=2", "run.eval_every=0",
+        "parallelism=cpu_2n", *PLUMBING, f"run.output_dir={out}", "run.num_steps=2", "run.eval_every=0",
         "logger.wandb.mode=offline"))
     info = slurm2.wait_job(job, RUN_TIMEOUT)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), launch2.output(job)[-6000:]
@@ -96,7 +99,7 @@ def test_host_that_dies_mid_run_ends_the_job_naming_it(slurm2, launch2, hosts, t
     a, b = hosts.hosts
     out = tmp_path / "run"
     job = launch2.submit("--nodes=2", "--gres=gpu:1", overrides=(
-        "parallelism=cpu_2n", f"run.output_dir={out}", "run.num_steps=50", "run.save_every=1",
+        "parallelism=cpu_2n", *PLUMBING, f"run.output_dir={out}", "run.num_steps=50", "run.save_every=1",
         "run.eval_every=0", "logger.wandb.mode=offline"))
     latest = out / "checkpoints" / "latest"
     _wait_for(latest.exists, "the first checkpoint", launch2, job, RUN_TIMEOUT)
