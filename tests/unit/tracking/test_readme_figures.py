@@ -20,7 +20,7 @@ def figures():
 
 
 def test_block_from_a_run_replaces_the_readme_block_whole(figures, make_step_metrics, tmp_path):
-    cfg = compose(["parallelism=cpu"])
+    cfg = compose(["parallelism=cpu", "run.num_steps=3"])
     history = [{"step": s, **make_step_metrics(s, r3=True, samples=64)} for s in (1, 2, 3)]
     block = figures.readme_block(cfg, history, wall_s=200.0)
     samples = cfg.algorithm.rollout_batch_size * cfg.algorithm.n_samples_per_prompt
