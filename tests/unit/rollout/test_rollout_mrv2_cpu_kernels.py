@@ -84,7 +84,7 @@ def test_gumbel_sample_draws_the_interpreters_tokens_bit_for_bit(apply_temperatu
     g = gen(1)
     rows, vocab = 16, 2500
     logits = torch.randn(rows, vocab, generator=g) * 4
-    logits[5, 17] = logits[5, 900] = 1e4  # a tie: the leftmost wins
+    logits[2, 17] = logits[2, 900] = 1e4  # a tie in the greedy row: the leftmost wins
     idx = torch.randperm(MAX_REQS, generator=g)[:rows]
     idx[-1] = -1  # padding row
     temperature = torch.rand(MAX_REQS, generator=g) + 0.5
@@ -94,7 +94,6 @@ def test_gumbel_sample_draws_the_interpreters_tokens_bit_for_bit(apply_temperatu
     num_blocks = -(-vocab // 1024)
 
     def launch(local_argmax, local_max):
-        K._originals[K._GUMBEL]  # noqa: B018 - reference kernel present
         gumbel._gumbel_sample_kernel[(rows, num_blocks)](
             local_argmax, local_argmax.stride(0), local_max, local_max.stride(0), None, 0, 0, None, None, 0,
             logits, logits.stride(0), idx, seeds, pos, temperature, vocab, BLOCK_SIZE=1024, IS_DRAFTING=False,
@@ -106,7 +105,7 @@ def test_gumbel_sample_draws_the_interpreters_tokens_bit_for_bit(apply_temperatu
     (ref, ref_tokens), (got, got_tokens) = run_both(K._GUMBEL, launch, state)
     assert_same_state(ref, got)
     assert torch.equal(ref_tokens, got_tokens)
-    assert ref_tokens[5] == 17 or temperature[idx[5]] != 0  # sanity of the tie row when greedy
+    assert ref_tokens[2] == 17
 
 
 def test_seeded_sampling_repeats_and_follows_the_seed():
