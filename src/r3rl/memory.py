@@ -347,11 +347,13 @@ def fixes(cfg: R3RLConfig) -> list[str]:
     return out
 
 
+def gib(b: float) -> float:
+    """Bytes as GiB, rounded for printing."""
+    return round(b / GIB, 2)
+
+
 def table(plan: MemoryPlan) -> dict:
     """The plan as plain data in GiB (what the dry run prints)."""
-    def gib(b: float) -> float:
-        return round(b / GIB, 2)
-
     out: dict = {}
     for g in plan.gpus:
         rows: dict = {}
@@ -367,9 +369,6 @@ def table(plan: MemoryPlan) -> dict:
 
 def host_table(plan: MemoryPlan) -> dict:
     """Host memory per node in GiB, pinned and pageable apart (what the dry run prints)."""
-    def gib(b: float) -> float:
-        return round(b / GIB, 2)
-
     out: dict = {}
     for h in plan.hosts:
         rows: dict = {}

@@ -144,11 +144,14 @@ def fingerprint_path(path: str | os.PathLike) -> Path:
     return p.with_name(p.name + ".r3rl_generated.json")
 
 
-def ensure_generated(path: str | os.PathLike, fingerprint: dict, make, *, regenerate: bool = True) -> Path:
+def ensure_generated(path: str | os.PathLike, fingerprint: dict, make, *, regenerate: bool = True,
+                     missing: str = "") -> Path:
     """``path``, written by ``make(path)`` when missing, or rewritten when r3rl made it from another ``fingerprint``
-    (its marker file beside it) and ``regenerate`` allows; a file r3rl did not make is used as it is, never
-    overwritten."""
+    (its marker file beside it); both only when ``regenerate`` allows, else a missing file raises FileNotFoundError
+    with ``missing``. A file r3rl did not make is used as it is, never overwritten."""
     path = Path(path)
+    if not path.is_file() and not regenerate:
+        raise FileNotFoundError(missing)
     marker = fingerprint_path(path)
     fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))  # as it reads back (tuples become lists)
     if path.is_file():
@@ -165,13 +168,6 @@ def ensure_sft_data(data_cfg: DataConfig) -> Path:
     """The SFT file of ``data_cfg``: generated (worked arithmetic solutions) when missing, or regenerated when it
     is one r3rl made from another fingerprint, with ``data.generate_if_missing``; a file r3rl did not make is used
     as it is and never overwritten."""
-    if not Path(data_cfg.path).is_file() and not data_cfg.generate_if_missing:
-        raise FileNotFoundError(
-            f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
-            f"holding '{data_cfg.prompt_key}' and '{data_cfg.response_key}' (or '{data_cfg.messages_key}'), or use "
-            f"data=arithmetic_sft, which generates its records."
-        )
-
     def make(path: Path) -> Path:
         examples = generate_sft_examples(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg),
                                          data_cfg.verbose_share)
@@ -179,7 +175,11 @@ def ensure_sft_data(data_cfg: DataConfig) -> Path:
             ex[data_cfg.response_key] = ex.pop("response")
         return write_jsonl(examples, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
 
-    return ensure_generated(data_cfg.path, sft_fingerprint(data_cfg), make, regenerate=data_cfg.generate_if_missing)
+    return ensure_generated(
+        data_cfg.path, sft_fingerprint(data_cfg), make, regenerate=data_cfg.generate_if_missing,
+        missing=f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
+                f"holding '{data_cfg.prompt_key}' and '{data_cfg.response_key}' (or '{data_cfg.messages_key}'), or "
+                f"use data=arithmetic_sft, which generates its records.")
 
 
 def generate_heldout(num: int, seed: int, exclude: Iterable[str],
@@ -241,16 +241,12 @@ def prompts_fingerprint(data_cfg: DataConfig) -> dict:
 def ensure_prompts(data_cfg: DataConfig) -> Path:
     """The prompt file of ``data_cfg``, generated first when missing (or stale, when r3rl made it from another
     draw) and ``data.generate_if_missing`` allows it."""
-    if not Path(data_cfg.path).is_file() and not data_cfg.generate_if_missing:
-        raise FileNotFoundError(
-            f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
-            f"holding '{data_cfg.prompt_key}' and '{data_cfg.label_key}' (data={data_cfg.name}), or use "
-            f"data=arithmetic, which generates its prompts."
-        )
-
     def make(path: Path) -> Path:
         problems = generate_problems(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg))
         return write_jsonl(problems, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
 
-    return ensure_generated(data_cfg.path, prompts_fingerprint(data_cfg), make,
-                            regenerate=data_cfg.generate_if_missing)
+    return ensure_generated(
+        data_cfg.path, prompts_fingerprint(data_cfg), make, regenerate=data_cfg.generate_if_missing,
+        missing=f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
+                f"holding '{data_cfg.prompt_key}' and '{data_cfg.label_key}' (data={data_cfg.name}), or use "
+                f"data=arithmetic, which generates its prompts.")
