@@ -6,9 +6,9 @@ r3rl's CPU engine (``r3rl_gloo``) and the ``disk`` path (HF safetensors written,
 The model is a synthetic Qwen3-MoE (random float32 weights, tiny vocabulary's tokenizer) sized to ``--gb``; the
 "trainer" is this process holding those weights as HF-named tensors, so both paths start from the same buckets and
 neither pays for Megatron. Disk writes the folder the way the trainer's export does (one file per bucket plus an
-index) and the engine reloads it (``r3rl.rollout.weights``); its files stay in the page cache, which favours disk.
+index) and the engine reloads it (``r3rl.sync.disk``); its files stay in the page cache, which favours disk.
 The engine loads them differently: the transfer engine prepacks the CPU experts straight into their live storage
-(``r3rl.rollout.cpu_experts.PackedExpertsUpdate``), disk goes through vLLM's reload (fresh layers, copied back).
+(``r3rl.sync.cpu_experts.PackedExpertsUpdate``), disk goes through vLLM's reload (fresh layers, copied back).
 Both end with the same weights on the engine (checked by vLLM's weight checksums). Also printed: this machine's
 memcpy rate (a floor: any sync moves every byte at least once). Last line: ``transfer/disk sync time ratio: X``.
 """
@@ -119,9 +119,9 @@ def main() -> None:
     from r3rl.net import free_port
     from r3rl.plan import build_plan
     from r3rl.rollout.engine import VLLMEngine
-    from r3rl.rollout.weight_transfer import EngineSet, TransferSender
-    from r3rl.rollout.wires import GlooWire
-    from r3rl.rollout.weights import update_weights_from_hf, weight_checksums
+    from r3rl.sync.protocol import EngineSet, TransferSender
+    from r3rl.sync.wires import GlooWire
+    from r3rl.sync.disk import update_weights_from_hf, weight_checksums
 
     s = shape_for(args.gb)
     work = Path(tempfile.mkdtemp(prefix="r3rl-weight-sync-"))

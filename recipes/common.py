@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -29,8 +30,8 @@ from r3rl.orchestration.groups import EngineGroup, TrainerGroup
 from r3rl.orchestration.ray_cluster import start_or_attach
 from r3rl.plan import WandbNaming, build_plan, weight_sync_backend
 from r3rl.rollout.engine import EngineError
-from r3rl.rollout.weight_transfer import EngineSet
-from r3rl.rollout.weights import update_weights_from_hf
+from r3rl.sync.protocol import EngineSet
+from r3rl.sync.disk import update_weights_from_hf
 from r3rl.tracking.finished import finished_step, report_finished
 from r3rl.tracking.offline_reader import read_runs
 from r3rl.tracking.summary import print_summary
@@ -59,6 +60,9 @@ class Recipe:
         self.history: list[dict[str, float]] = []
         self.colocated = self.plan.placement.colocated
         self.engines_asleep = False
+        # colocated: what happened to the shared GPUs, in order ("yield" with the bytes the trainer ranks still
+        # reserved, at most over ranks; "wake" with the tags); GRPO logs the bytes of its step
+        self.handoffs: list[tuple[str, Any]] = []
         self.engine_version: int | None = None  # the weight version the engines serve (None: the HF checkpoint's)
         self.stop = False
         self.unlogged: dict[str, float] | None = None  # a step's metrics whose eval point SIGTERM interrupted
@@ -190,8 +194,8 @@ class Recipe:
         engine -> finish(version) -> (colocated: wake the KV cache) -> reset prefix cache -> resume."""
         asleep, self.engines_asleep = self.engines_asleep, False
         if asleep:
-            self.engine_set.wake_up(["weights"])
-        if self.weight_sync == "disk":  # pause, load, reset, label and resume per engine (r3rl.rollout.weights)
+            self.wake_engines(["weights"])
+        if self.weight_sync == "disk":  # pause, load, reset, label and resume per engine (r3rl.sync.disk)
             exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
             for url in self.engines.urls:
                 update_weights_from_hf(url, exported, version)
@@ -199,12 +203,21 @@ class Recipe:
             if not asleep:  # sleeping engines were paused by /sleep
                 self.engine_set.pause()
             self.trainers.send_weights(version)
-        if asleep:
-            self.engine_set.wake_up(["kv_cache"])
+        if asleep:  # the send's buckets are freed by now; their cached blocks go back before the KV cache comes
+            self.wake_engines(["kv_cache"])
         if self.weight_sync != "disk":
             self.engine_set.reset_prefix_cache()
             self.engine_set.resume()
         self.engine_version = version
+
+    def wake_engines(self, tags: list[str]) -> None:
+        """Colocated: the trainer ranks give back what the engines are about to allocate (the optimizer state to host
+        memory, the allocator's cached blocks to the driver), then the engines wake. vLLM allocates what it wakes
+        with cudaMalloc: memory torch still holds cached would fail it."""
+        reserved = max(self.trainers.call_all("yield_device"))
+        self.handoffs.append(("yield", reserved))
+        self.engine_set.wake_up(tags)
+        self.handoffs.append(("wake", tuple(tags)))
 
     # ------------------------------------------------------------------ save / cleanup
     def save(self, step: int) -> Path:

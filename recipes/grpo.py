@@ -102,6 +102,7 @@ class GRPORecipe(common.Recipe):
         if cfg.debug.save_rollout:
             save_rollout(samples, Path(cfg.debug.save_rollout) / f"step_{step:06d}.npz")
         batch = ray.put(samples)
+        self.handoffs.clear()  # the step's own
         if self.colocated:  # the GPUs go to the trainer: engines sleep, the optimizer state comes back
             self.engine_set.sleep(cfg.rollout.weight_sync.sleep_level)
             self.engines_asleep = True
@@ -136,9 +137,7 @@ class GRPORecipe(common.Recipe):
 
         # 4. sync weights: the engines serve the new policy from the next step on
         t = time.perf_counter()
-        self.sync_weights(version=step)
-        if self.colocated:  # the engines generate next: Adam's moments wait in host memory
-            self.trainers.call("offload_optimizer_state")
+        self.sync_weights(version=step)  # colocated: Adam's moments go to host memory before the engines wake
         timings["weight_sync"] = time.perf_counter() - t
 
         # 5. metrics: mismatch with and without replay on identical data, routing flips, correction, rewards, perf
@@ -170,6 +169,8 @@ class GRPORecipe(common.Recipe):
         values.update(corrected.metrics)
         values.update({f"train/{k}": float(v) for k, v in train_out.items()
                        if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
+        if self.colocated:  # what the trainer still held on its GPUs when the engines woke (0 on a CPU)
+            values[M.PERF_TRAINER_RESERVED_AT_WAKE] = max(b for e, b in self.handoffs if e == "yield") / 2**30
         if self.replay_mode == "r2":
             values[M.R2_REPLAY_MISMATCH_ROWS] = float(train_out["replay_mismatch_rows"])
             values[M.R2_REPLAYED_ROWS] = float(train_out["replayed_rows"])

@@ -94,8 +94,6 @@ class SFTRecipe(common.Recipe):
             t = time.perf_counter()
             self.sync_weights(version=step)
             console.print(f"weights of step {step} synced into the engines in {time.perf_counter() - t:.1f} s")
-        if self.colocated:  # the engines generate on the trainer's GPUs: Adam's moments wait in host memory
-            self.trainers.call("offload_optimizer_state")
 
     def after_eval(self, step: int) -> None:
         self.engines_yield()

@@ -145,6 +145,9 @@ PERF_TIME = "perf/{stage}_time_s"
 PERF_STEP_TIME = "perf/step_time_s"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
 PERF_ROLLOUT_TOKENS_PER_S = "perf/rollout_tokens_per_s"
+# colocated: GiB the trainer rank reserving most still held on its GPU when the engines woke (after it gave back the
+# allocator's cache and its optimizer state); the plan's trainer weights + gradients + master weights + runtime
+PERF_TRAINER_RESERVED_AT_WAKE = "perf/trainer_reserved_gib_at_wake"
 
 # The stages the recipe times; others are accepted and logged the same way.
 PERF_STAGES: tuple[str, ...] = ("rollout", "logprobs", "train", "weight_sync")

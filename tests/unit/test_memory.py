@@ -1,4 +1,5 @@
-"""The memory plan: bytes per GPU and role from the config alone, checked against the 80 GiB budget."""
+"""The memory plan: bytes per GPU and role from the config alone, checked against the usable memory of an 80 GB
+card (79.6 GiB, the shipped GPU layouts' budget)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ def test_30b_parameters_split_as_megatron_shards_them():
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_shipped_30b_experiments_fit_80_gib(experiment):
+def test_shipped_30b_experiments_fit_an_80_gb_card(experiment):
     cfg = compose([f"experiment={experiment}"])
     plan = build_plan(cfg).memory
-    assert plan.budget_bytes == 80 * GIB and plan.over_budget() == []
+    # the usable memory the driver reports, not the 80 on the box: vLLM's share is a fraction of the former
+    assert plan.budget_bytes == int(79.6 * GIB) and plan.over_budget() == []
     trainer_gpu = plan.gpus[0]
     p = parts(trainer_gpu)
     # offloaded: no master weights or Adam moments on the GPU, all of them in host memory
@@ -42,7 +44,7 @@ def test_shipped_30b_experiments_fit_80_gib(experiment):
     assert p["trainer/weights"] == pytest.approx(expected_weights, abs=0.1)
     assert p["trainer/gradients"] == pytest.approx(2 * p["trainer/weights"], rel=1e-6)
     if experiment.endswith("colocated"):
-        assert trainer_gpu.gpu == "colocated" and trainer_gpu.role_total("rollout") == pytest.approx(0.35 * 80 * GIB,
+        assert trainer_gpu.gpu == "colocated" and trainer_gpu.role_total("rollout") == pytest.approx(0.35 * 79.6 * GIB,
                                                                                                        rel=1e-6)
 
 
@@ -95,7 +97,7 @@ def test_dry_run_prints_the_table_in_gib():
                          capture_output=True, text=True, cwd=str(REPO), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "memory_gib_per_gpu:" in out.stdout and "trainer GPU (x4):" in out.stdout
-    assert "budget per GPU: 80.0" in out.stdout
+    assert "budget per GPU: 79.6" in out.stdout
     refused = subprocess.run([sys.executable, "run.py", "experiment=qwen3_30b_r3_4p4", "run.dry_run=true",
                               "trainer.optimizer_cpu_offload=false"], capture_output=True, text=True, cwd=str(REPO),
                              timeout=120)

@@ -55,7 +55,7 @@ def test_a_taken_port_fails_before_anyone_is_told_it():
 
 
 def test_the_weight_transfer_sender_listens_on_its_address_alone():
-    from r3rl.rollout.gloo_transfer import open_store
+    from r3rl.sync.gloo_engine import open_store
 
     port = free_port()
     sender = open_store("127.0.0.1", port, 2, 10, is_master=True)

@@ -1,5 +1,5 @@
-"""The names of the recipe, replay and correction options, and which routing replay a config runs (``replay.name``
-with ``auto`` resolved against the rollout)."""
+"""The names of the recipe, replay and correction options, which routing replay a config runs (``replay.name``
+with ``auto`` resolved against the rollout), and the dtype ``auto`` stands for."""
 
 from __future__ import annotations
 
@@ -25,3 +25,10 @@ def unreplayed_pass_due(cfg, step: int) -> bool:
     """R3 only: whether step ``step`` (from 1) runs the paired unreplayed log-prob pass (``replay.no_replay_every``;
     step 1 always does)."""
     return replay_mode(cfg) == "r3" and (step - 1) % cfg.replay.no_replay_every == 0
+
+
+def resolve_dtype(value: str, device: str) -> str:
+    """``auto``: bfloat16 on GPUs, float32 on the CPU profile."""
+    if value != "auto":
+        return value
+    return "float32" if device == "cpu" else "bfloat16"

@@ -19,7 +19,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 DEVICES = ("cuda", "cpu")
 DISPATCHERS = ("alltoall", "allgather", "flex")
 RECOMPUTE = (None, "full", "selective")
-# r3rl_gloo: r3rl's CPU weight-transfer engine (r3rl.rollout.gloo_transfer), registered with vLLM by plugin
+# r3rl_gloo: r3rl's CPU weight-transfer engine (r3rl.sync.gloo_engine), registered with vLLM by plugin
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "ipc", "r3rl_gloo", "disk")
 # Above this a model cannot be trained on the CPU profile in any useful time or memory.
 CPU_MAX_PARAMS = 2_000_000_000
@@ -370,7 +370,7 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
 def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     """GPUs whose estimated bytes (``r3rl.memory``) exceed ``parallelism.gpu_memory_gib``, with the keys to change."""
     from r3rl import memory
-    from r3rl.plan import resolve_dtype
+    from r3rl.config.modes import resolve_dtype
 
     device = cfg.parallelism.device
     plan = memory.estimate(cfg, resolve_dtype(cfg.trainer.params_dtype, device),

@@ -51,8 +51,8 @@ class TrainerActor:
     # weight transfer: the trainer produces HF buckets, rank 0 sends them over vLLM's protocol (r3rl.rollout)
     def open_weight_transfer(self, urls: list[str], backend: str, loopback: bool, timeout_s: float,
                              bucket_bytes: int) -> None:
-        from r3rl.rollout.weight_transfer import EngineSet, TransferSender
-        from r3rl.rollout.wires import make_wire
+        from r3rl.sync.protocol import EngineSet, TransferSender
+        from r3rl.sync.wires import make_wire
 
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self.wire = make_wire(backend, master_address=host, master_port=free_port(host) if self.rank == 0 else 0,
@@ -61,7 +61,7 @@ class TrainerActor:
             self.sender = TransferSender(EngineSet(urls, timeout_s), self.wire)
 
     def send_weights(self, version: int) -> dict[str, Any]:
-        from r3rl.rollout.wires import participate
+        from r3rl.sync.wires import participate
 
         buckets = self.trainer.weight_stream().stream(dst=0)
         if self.rank != 0:  # the other ranks gather their shards towards rank 0, bucket by bucket (IPC: and more)

@@ -81,6 +81,10 @@ class TrainerGroup:
         """Run ``method`` on every rank (collectives need all of them) and return rank 0's answer."""
         return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])[0]
 
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``method`` on every rank and return every rank's answer, in rank order."""
+        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+
     def open_weight_transfer(self, urls: list[str], *, backend: str, loopback: bool, timeout_s: float,
                              bucket_bytes: int) -> None:
         ray.get([a.open_weight_transfer.remote(urls, backend, loopback, timeout_s, bucket_bytes)

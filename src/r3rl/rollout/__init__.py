@@ -1,6 +1,6 @@
 """vLLM rollout with Rollout Routing Replay: engine processes, the generate client, routed-experts decoding and
-validation, weight updates, and rollout files.
+validation, the CPU profile's sampling kernels, and rollout files (weight sync is ``r3rl.sync``).
 
 Submodules are imported on use (``from r3rl.rollout.client import RolloutClient``): the vLLM worker process imports
-``r3rl.rollout.worker_extension`` and must not pay for (or depend on) the client side.
+``r3rl.rollout.mrv2_cpu_kernels`` and must not pay for (or depend on) the client side.
 """

@@ -17,7 +17,7 @@ murmur3(s, p, k) (see ``_gumbel_noise``), computed with NumPy's uint32 and float
 so a seeded request draws the same tokens as under the interpreter, bit for bit. Logprobs are
 ``log_softmax`` in fp32 (summation order differs from the kernel's: within 1e-6).
 
-Installed in the engine's worker only (``install``, called from ``r3rl.rollout.worker_extension`` when the engine's
+Installed in the engine's worker only (``install``, called from ``r3rl.sync.worker_extension`` when the engine's
 environment asks for it; ``r3rl.plan.cpu_engine_env`` does on the CPU profile). Never on a GPU: ``install`` refuses
 to run where CUDA is available. ``tests/unit/rollout/test_rollout_mrv2_cpu_kernels.py`` compares every stand-in
 with the interpreted original, so a vLLM upgrade that changes a kernel's contract fails there.

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from r3rl.config.schema import R3RLConfig
-from r3rl.plan import megatron_config, resolve_dtype
+from r3rl.config.modes import resolve_dtype
+from r3rl.plan import megatron_config
 from r3rl.train import cpu_compat, te_fallback
 
 # Keys of plan.megatron_config that belong to GPTModel / DDP rather than TransformerConfig.

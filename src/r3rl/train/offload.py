@@ -15,6 +15,7 @@ the optimizer's own parameters (the hybrid's ``master_param``), and onload moves
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -110,6 +111,15 @@ def move_optimizer_state(optimizer: Any, device: torch.device | str) -> int:
     if device.type == "cpu":
         return offload_optimizer_state(optimizer, device)
     return onload_optimizer_state(optimizer, device)
+
+
+def release_cached_memory() -> int:
+    """Give the allocator's cached, unused device blocks back to the driver: a colocated engine waking next allocates
+    with cudaMalloc, which cannot see memory torch keeps cached. Returns the bytes this process still reserves
+    (0 without CUDA): what the trainer really holds while the engines are awake."""
+    gc.collect()  # tensors only a reference cycle keeps alive (a finished step's graph) would pin their blocks
+    _settle()
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
 
 
 def _settle() -> None:

@@ -595,6 +595,12 @@ class MegatronTrainer:
     def onload_optimizer_state(self) -> int:
         return offload.move_optimizer_state(self.optimizer, self.device)
 
+    def yield_device(self) -> int:
+        """Before colocated engines wake: the optimizer state to host (a no-op when it is there already) and the
+        allocator's cached blocks released; the bytes this rank still reserves on its device."""
+        offload.move_optimizer_state(self.optimizer, "cpu")
+        return offload.release_cached_memory()
+
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
         from megatron.core.tensor_parallel import random as mrandom
 

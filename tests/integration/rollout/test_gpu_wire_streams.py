@@ -47,10 +47,10 @@ def unpack(packed: torch.Tensor, want: list[torch.Tensor]) -> list[torch.Tensor]
 
 
 def test_after_stream_orders_a_pack_on_another_stream_after_the_writer():
-    """Fails if ``r3rl.rollout.wires.after_stream`` stops making the packer's stream wait for the source stream."""
+    """Fails if ``r3rl.sync.wires.after_stream`` stops making the packer's stream wait for the source stream."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from r3rl.rollout.wires import after_stream
+    from r3rl.sync.wires import after_stream
 
     writer, packer = torch.cuda.Stream(), torch.cuda.Stream()
     items, want = slow_bucket(writer)
@@ -66,7 +66,7 @@ def test_nccl_wire_packs_the_bucket_after_it_arrived():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
-    from r3rl.rollout.wires import NcclWire
+    from r3rl.sync.wires import NcclWire
 
     writer = torch.cuda.Stream()
     items, want = slow_bucket(writer)

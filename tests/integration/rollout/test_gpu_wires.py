@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from r3rl.net import free_port
-from r3rl.rollout.wires import IpcWire, NcclWire
+from r3rl.sync.wires import IpcWire, NcclWire
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 

@@ -17,9 +17,9 @@ from rollout_helpers import HFReference, engine_cfg, perturbed_checkpoint
 from r3rl.config.schema import SamplingConfig
 from r3rl.net import free_port
 from r3rl.rollout.errors import EngineError
-from r3rl.rollout.weight_transfer import EngineSet, TransferSender
-from r3rl.rollout.wires import GlooWire
-from r3rl.rollout.weights import weight_checksums, weight_version
+from r3rl.sync.protocol import EngineSet, TransferSender
+from r3rl.sync.wires import GlooWire
+from r3rl.sync.disk import weight_checksums, weight_version
 
 pytestmark = pytest.mark.integration
 

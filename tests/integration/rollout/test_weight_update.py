@@ -9,7 +9,7 @@ import pytest
 
 from rollout_helpers import HFReference, perturbed_checkpoint
 from r3rl.config.schema import SamplingConfig
-from r3rl.rollout.weights import update_weights_from_hf, weight_checksums, weight_version
+from r3rl.sync.disk import update_weights_from_hf, weight_checksums, weight_version
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ def test_r3_engine_argv_has_what_routed_experts_need(compose_cfg):
     for flag in ("--enable-return-routed-experts", "--enable-scale-out", "--enable-prefix-caching",
                  "--no-async-scheduling"):
         assert flag in argv
-    assert argv[argv.index("--worker-extension-cls") + 1] == "r3rl.rollout.worker_extension.R3RLWorkerExtension"
+    assert argv[argv.index("--worker-extension-cls") + 1] == "r3rl.sync.worker_extension.R3RLWorkerExtension"
     assert engine.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and engine.env["TRITON_INTERPRET"] == "1"
     # the worker swaps MRv2's per-step kernels for torch (r3rl.rollout.mrv2_cpu_kernels), only on the CPU profile

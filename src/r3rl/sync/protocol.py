@@ -10,7 +10,7 @@ One sync (``r3rl.orchestration`` drives it; the trainer only produces buckets):
 
 Every call goes to all engines concurrently, so N engines take the time of one. A failure names the engine.
 ``TransferSender`` is the protocol, the same for every backend; a ``Wire`` carries the bytes
-(``r3rl.rollout.wires``: ``make_wire`` picks the one ``r3rl.plan.weight_sync_backend`` names).
+(``r3rl.sync.wires``: ``make_wire`` picks the one ``r3rl.plan.weight_sync_backend`` names).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import httpx
 
 from r3rl.rollout.errors import EngineError
-from r3rl.rollout.weights import post_dev_route
+from r3rl.sync.disk import post_dev_route
 
 
 class EngineSet:

@@ -2,7 +2,7 @@
 
 This is vLLM's ``reload_weights`` with ``MoERepack`` around it: a plain reload leaves the CPU experts' prepacked
 weights unpacked and the engine silently serves wrong experts, even after reloading the *same* checkpoint
-(``r3rl.rollout.cpu_experts``). Elsewhere (GPU kernels whose update path is complete) it is vLLM's reload unchanged.
+(``r3rl.sync.cpu_experts``). Elsewhere (GPU kernels whose update path is complete) it is vLLM's reload unchanged.
 
 Reached through ``POST /collective_rpc {"method": "r3rl_update_weights_from_hf", "args": [hf_dir]}``; it imports
 nothing of r3rl's client side, so the worker does not load it.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from r3rl.rollout import mrv2_cpu_kernels
-from r3rl.rollout.cpu_experts import MoERepack
+from r3rl.sync.cpu_experts import MoERepack
 
 mrv2_cpu_kernels.install_from_env()
 

@@ -1,4 +1,4 @@
-"""``r3rl.rollout.wires.after_stream`` on a CPU, with stand-in streams: each item is handed to the packer only after
+"""``r3rl.sync.wires.after_stream`` on a CPU, with stand-in streams: each item is handed to the packer only after
 the packer's current stream was made to wait on the source stream (the GPU race itself is
 ``tests/integration/rollout/test_gpu_wire_streams.py``)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from r3rl.rollout import wires
+from r3rl.sync import wires
 
 
 class FakeStream:

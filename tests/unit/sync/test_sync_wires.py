@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3rl.rollout.wires import GlooWire, IpcWire, NcclWire, make_wire
+from r3rl.sync.wires import GlooWire, IpcWire, NcclWire, make_wire
 
 KW = dict(master_address="127.0.0.1", master_port=29555, bucket_bytes=1 << 20, timeout_s=30.0)
 

@@ -237,7 +237,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from r3rl.rollout.cpu_experts import MoERepack, PackedExpertsUpdate
+        from r3rl.sync.cpu_experts import MoERepack, PackedExpertsUpdate
 
         experts = PackedExpertsUpdate(self.model, self._staging)
         repack = MoERepack(self.model, skip=experts.methods)

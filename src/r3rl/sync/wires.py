@@ -1,9 +1,9 @@
 """The wires of a weight sync, one per ``rollout.weight_sync.backend``; ``make_wire`` is the one place that picks it.
 
 Every wire carries the same bucket stream (``r3rl.train.export.HFBucketStream``) under the same protocol driver
-(``r3rl.rollout.weight_transfer.TransferSender``); only how a bucket's bytes reach the engine workers differs:
+(``r3rl.sync.protocol.TransferSender``); only how a bucket's bytes reach the engine workers differs:
 
-- ``r3rl_gloo`` (CPU profile): r3rl's engine (``r3rl.rollout.gloo_transfer``); one gloo broadcast per bucket, or on
+- ``r3rl_gloo`` (CPU profile): r3rl's engine (``r3rl.sync.gloo_engine``); one gloo broadcast per bucket, or on
   one host a shared-memory file the engines map.
 - ``nccl`` (GPUs, engines apart from the trainer): vLLM's NCCL engine. The sender is vLLM's trainer side
   (``nccl_common.trainer_init`` opens rank 0 of the group, ``packed_nccl_broadcast_producer`` sends a bucket through
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from r3rl.rollout.weight_transfer import Update, Wire
+from r3rl.sync.protocol import Update, Wire
 
 GPU_BACKENDS = ("nccl", "ipc")
 
@@ -77,7 +77,7 @@ class GlooWire(Wire):
         self._shm_cleanup = weakref.finalize(self, _unlink, list(self._shm_files))
 
     def listen(self, world_size: int) -> None:
-        from r3rl.rollout.gloo_transfer import open_store
+        from r3rl.sync.gloo_engine import open_store
 
         self._world = world_size
         try:
@@ -91,12 +91,12 @@ class GlooWire(Wire):
                 "world_size": world_size, "timeout_s": self.timeout_s, "join_timeout_s": self.join_timeout_s}
 
     def connect(self) -> None:
-        from r3rl.rollout.gloo_transfer import open_group
+        from r3rl.sync.gloo_engine import open_group
 
         self.group = open_group(self._store, self.address, 0, self._world, self.join_timeout_s)
 
     def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
-        from r3rl.rollout.gloo_transfer import broadcast, pack, packed_offsets, write_packed
+        from r3rl.sync.gloo_engine import broadcast, pack, packed_offsets, write_packed
 
         if not bucket:
             return

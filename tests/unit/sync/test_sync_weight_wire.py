@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3rl.rollout.gloo_transfer import ALIGN, GlooUpdateInfo, pack, packed_offsets, unpack
+from r3rl.sync.gloo_engine import ALIGN, GlooUpdateInfo, pack, packed_offsets, unpack
 
 
 def test_mixed_dtypes_round_trip_exactly_at_aligned_offsets():
@@ -31,7 +31,7 @@ def test_update_info_lists_must_agree():
 
 
 def test_file_layout_equals_the_buffer_layout(tmp_path):
-    from r3rl.rollout.gloo_transfer import write_packed
+    from r3rl.sync.gloo_engine import write_packed
 
     tensors = [torch.arange(10, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16), torch.arange(5)]
     buf = pack(tensors)
@@ -44,7 +44,7 @@ def test_file_layout_equals_the_buffer_layout(tmp_path):
 
 
 def test_file_rewritten_in_place_keeps_its_pages_and_reads_back_the_new_bucket(tmp_path):
-    from r3rl.rollout.gloo_transfer import write_packed
+    from r3rl.sync.gloo_engine import write_packed
 
     path = tmp_path / "bucket"
     big = [torch.full((1000,), 7.0), torch.full((300,), 3, dtype=torch.int64)]

@@ -1,0 +1,57 @@
+"""The package boundaries the layout promises, checked on the import statements themselves (``ast``), so a new
+import that crosses one fails here rather than in a review.
+
+- ``r3rl.train`` (the Megatron side) imports nothing of the rollout or of the weight sync: the trainer only
+  produces HF buckets (``r3rl.train.export``), it never talks to an engine.
+- ``r3rl.rollout`` is about generation and imports nothing of the sync or the trainer.
+- ``r3rl.config`` is validated before any plan exists and imports neither ``r3rl.plan`` nor anything above it.
+- ``r3rl.sync``'s engine side (what vLLM's worker imports) pulls in neither the trainer nor the rollout client.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "r3rl"
+
+
+def r3rl_imports(path: pathlib.Path) -> set[str]:
+    """Every ``r3rl.*`` module a file imports, at any depth (imports inside functions count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("r3rl")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("r3rl"):
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def crossings(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    out = {}
+    for path in sorted((SRC / package).rglob("*.py")):
+        bad = sorted(m for m in r3rl_imports(path) if m.startswith(forbidden))
+        if bad:
+            out[str(path.relative_to(SRC))] = bad
+    return out
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("train", ("r3rl.rollout", "r3rl.sync", "r3rl.orchestration")),
+    ("rollout", ("r3rl.sync", "r3rl.train", "r3rl.orchestration")),
+    ("config", ("r3rl.plan", "r3rl.placement", "r3rl.rollout", "r3rl.sync", "r3rl.train", "r3rl.orchestration")),
+])
+def test_package_does_not_import_across_its_boundary(package, forbidden):
+    """Fails if e.g. ``r3rl.config.validate`` goes back to ``from r3rl.plan import resolve_dtype``, or a module in
+    ``r3rl.train`` imports a wire from ``r3rl.sync``."""
+    assert not crossings(package, forbidden), f"r3rl.{package} imports across its boundary"
+
+
+@pytest.mark.parametrize("module", ["worker_extension.py", "gloo_engine.py", "cpu_experts.py"])
+def test_engine_side_of_sync_stays_light(module):
+    """Fails if a module the vLLM worker imports starts importing the trainer, the Ray orchestration or the rollout
+    client (the worker would load Megatron or httpx-side code it never uses, or fail where it is not installed)."""
+    heavy = ("r3rl.train", "r3rl.orchestration", "r3rl.rollout.client", "r3rl.sync.protocol", "r3rl.sync.wires")
+    assert not [m for m in r3rl_imports(SRC / "sync" / module) if m.startswith(heavy)]
