@@ -6,13 +6,13 @@
 
 The README block lies between the two ``readme_figures`` comment lines; it is replaced whole, so the README never
 quotes figures this script did not print. Each mismatch figure comes with its standard error over the step's
-samples; the mean over steps with the standard error of that mean.
+samples, and what replay removes is the paired figure (replayed - unreplayed per sample, same batch) with its
+standard error clustered by prompt; the mean over steps with the standard error of that mean.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -49,7 +49,7 @@ def _pm(value: float, err: float) -> str:
 
 def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
     from r3rl import metrics as M
-    from r3rl.tracking.summary import REPLAY_RATIO, summarize
+    from r3rl.tracking.summary import REPLAY_RATIO, replay_removes, summarize
 
     alg, sampling = cfg.algorithm, cfg.rollout.sampling
     history = [row for row in history if M.LOGPROB_ABS_DIFF in row]  # the eval baseline (step 0) trains nothing
@@ -62,28 +62,30 @@ def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
         f"prompts x {alg.n_samples_per_prompt}, at most {sampling.max_tokens} response tokens each, "
         f"{sum(tokens) / len(tokens):.0f} response tokens per step on average; bf16 engine, fp32 trainer, fixed "
         f"seeds). `train/logprob_abs_diff` with replay and without replay on the same batch, ± the standard error "
-        f"over the step's samples:",
+        f"over the step's samples; replay removes = minus `train/logprob_abs_diff_paired_delta`, ± its standard "
+        f"error clustered by prompt:",
         "",
-        "| step | with replay (R3) | without replay | ratio | routing flip rate | replay mismatch rows |",
-        "|---|---|---|---|---|---|",
+        "| step | with replay (R3) | without replay | replay removes (paired) | ratio | routing flip rate | "
+        "replay mismatch rows |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in history:
         lines.append(
             f"| {int(row['step'])} | {_pm(row[M.LOGPROB_ABS_DIFF], row[M.LOGPROB_ABS_DIFF_STDERR])} | "
             f"{_pm(row[M.LOGPROB_ABS_DIFF_NO_REPLAY], row[M.LOGPROB_ABS_DIFF_NO_REPLAY_STDERR])} | "
+            f"{_pm(-row[M.LOGPROB_ABS_DIFF_PAIRED_DELTA], row[M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR])} | "
             f"{row[M.LOGPROB_ABS_DIFF] / row[M.LOGPROB_ABS_DIFF_NO_REPLAY]:.2f} | {row[M.ROUTING_FLIP_RATE]:.2%} | "
             f"{row[M.REPLAY_MISMATCH_ROWS]:.0f} |")
     rep, nrep = stats[M.LOGPROB_ABS_DIFF], stats[M.LOGPROB_ABS_DIFF_NO_REPLAY]
     flips = stats[M.ROUTING_FLIP_RATE]
+    removed, removed_se, _ = replay_removes(history)
     lines.append(f"| mean | {_pm(rep['mean'], rep['mean_stderr'])} | {_pm(nrep['mean'], nrep['mean_stderr'])} | "
-                 f"{rep['mean'] / nrep['mean']:.2f} | {flips['mean']:.2%} | "
+                 f"{_pm(removed, removed_se)} | {rep['mean'] / nrep['mean']:.2f} | {flips['mean']:.2%} | "
                  f"{stats[M.REPLAY_MISMATCH_ROWS]['max']:.0f} |")
-    gap = nrep["mean"] - rep["mean"]
-    # the two figures share their samples; their errors are combined as if independent, which overstates it
-    joint = math.hypot(rep["mean_stderr"], nrep["mean_stderr"])
     lines += [
         "",
-        f"Replay removes {gap:.4f} of mismatch per sample ({gap / joint:.1f} standard errors; per-step ratio "
+        f"Replay removes {removed:.4f} ± {removed_se:.4f} of mismatch per sample ({removed / removed_se:.1f} "
+        f"standard errors of the paired difference, clustered by prompt; per-step ratio "
         f"{stats[REPLAY_RATIO]['min']:.2f}-{stats[REPLAY_RATIO]['max']:.2f}). The run took {wall_s / 60:.1f} min "
         f"(setup and {cfg.run.num_steps} steps, without the install).",
         END,
@@ -92,11 +94,16 @@ def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
 
 
 def write_readme(path: Path, block: str) -> None:
+    write_block(path, block, BEGIN, END)
+
+
+def write_block(path: Path, block: str, begin: str, end: str) -> None:
+    """Replace the text from ``begin`` to ``end`` (both lines included) with ``block``, which carries them."""
     text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path}: no readme_figures block (the lines {BEGIN!r} ... {END!r}) to replace")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no block (the lines {begin!r} ... {end!r}) to replace")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     path.write_text(head + block + tail)
 
 

@@ -22,7 +22,7 @@ from r3rl.dashboard.eval_table import mismatch_and_eval  # noqa: E402
 from r3rl.dashboard.panels import PANELS, Panel  # noqa: E402
 from r3rl.dashboard.report import RUNSET_NAMES  # noqa: E402
 from r3rl.tracking.offline_reader import OfflineRun  # noqa: E402
-from r3rl.tracking.summary import fmt_cell, summarize  # noqa: E402
+from r3rl.tracking.summary import fmt_cell, replay_removes_text, summarize  # noqa: E402
 
 # Each replay mode keeps its colour in every panel; a family (one line per layer) takes shades of it.
 _COLOURS = {"r3": ("tab:blue", "Blues"), "r2": ("tab:purple", "Purples"), "none": ("tab:orange", "Oranges"),
@@ -85,6 +85,11 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[OfflineRun]) -> int:
     return lines
 
 
+def headlines(runs: Sequence[OfflineRun]) -> list[str]:
+    """``<run>: replay removes X ± se ...`` for every run with R3's paired pass: the figure the comparison is for."""
+    return [f"{run_label(r)}: {text}" for r in runs if (text := replay_removes_text(r.history)) is not None]
+
+
 def write_png(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] = PANELS) -> Path:
     cols = 2
     rows = math.ceil(len(panels) / cols)
@@ -94,7 +99,7 @@ def write_png(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] = 
             draw_panel(ax, panel, runs)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
-        fig.suptitle(" vs ".join(run_label(r) for r in runs), fontsize=11)
+        fig.suptitle("\n".join([" vs ".join(run_label(r) for r in runs), *headlines(runs)]), fontsize=11)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
     finally:
@@ -123,7 +128,8 @@ def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] =
         "<!DOCTYPE html>", "<html><head><meta charset='utf-8'><title>R3 comparison</title>",
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}</style>",
-        "</head><body>", "<h1>R3 comparison</h1>", "<h2>Runs</h2>",
+        "</head><body>", "<h1>R3 comparison</h1>", *(f"<p><b>{e(h)}</b></p>" for h in headlines(runs)),
+        "<h2>Runs</h2>",
         "<table><tr><th>run</th><th>id</th><th>R3</th><th>group</th><th>tags</th><th>steps</th><th>files</th></tr>",
     ]
     for r in runs:

@@ -16,6 +16,7 @@ from wandb_workspaces import expr
 
 from r3rl.dashboard.panels import PANELS, Panel
 from r3rl.tracking.offline_reader import OfflineRun
+from r3rl.tracking.summary import replay_removes_text
 
 # by replay mode (OfflineRun.replay); R3 on / off keep the names and tags they had before R2 existed
 RUNSET_NAMES = {"r3": "R3 on", "r2": "R2", "none": "R3 off", None: "replay unknown"}
@@ -54,6 +55,8 @@ def build_report(runs: Sequence[OfflineRun], *, entity: str, project: str,
     names = ", ".join(f"{r.name} ({r.run_id}, {RUNSET_NAMES[r.replay]})" for r in runs)
     groups = sorted({r.group for r in runs if r.group})
     description = f"Runs: {names}." + (f" Group: {', '.join(groups)}." if groups else "")
+    # the paired figure of each R3 run, as measured when the report is built (the panels keep updating)
+    removed = [f"{r.name or r.run_id}: {text}." for r in runs if (text := replay_removes_text(r.history))]
     grid = wr.PanelGrid(runsets=_runsets(runs, entity, project), panels=[_line_plot(p, runs) for p in PANELS])
     return wr.Report(
         project=project, entity=entity, title=title, description=description,
@@ -61,6 +64,7 @@ def build_report(runs: Sequence[OfflineRun], *, entity: str, project: str,
             wr.H1(text=title),
             wr.P(text="Train-rollout log-prob mismatch with Rollout Routing Replay (R3) and without it, the "
                       "routing flip rate per MoE layer, reward and step timings. " + description),
+            *([wr.P(text=" ".join(removed))] if removed else []),
             grid,
         ],
     )

@@ -76,6 +76,29 @@ def summarize(history: Sequence[Mapping[str, Any]],
     return out
 
 
+def replay_removes(history: Sequence[Mapping[str, Any]]) -> tuple[float, float, int] | None:
+    """What R3's replay removes from the per-sample mismatch: minus the mean over steps of
+    ``train/logprob_abs_diff_paired_delta`` (replayed - unreplayed, per sample, on the same batch), its standard error
+    (each step's clustered by prompt, steps independent) and the steps it covers; None for a run without the paired
+    pass (R3 off, R2)."""
+    key = M.LOGPROB_ABS_DIFF_PAIRED_DELTA
+    s = summarize(history, keys=(key,)).get(key)
+    if s is None or math.isnan(s["mean"]) or "mean_stderr" not in s:
+        return None
+    return -s["mean"], s["mean_stderr"], int(s["steps"])
+
+
+def replay_removes_text(history: Sequence[Mapping[str, Any]]) -> str | None:
+    """``replay removes X ± se of |log-prob diff| per sample (...)``, the headline of an R3 run; None without one."""
+    found = replay_removes(history)
+    if found is None:
+        return None
+    removed, se, steps = found
+    z = f", {removed / se:.1f} se" if se > 0 else ""
+    return (f"replay removes {removed:.4g} ± {se:.2g} of |log-prob diff| per sample (paired on the same batch, "
+            f"standard error clustered by prompt{z}; {steps} step{'s' if steps != 1 else ''})")
+
+
 def print_summary(history: Sequence[Mapping[str, Any]], console: Console | None = None,
                   title: str = "r3rl run summary") -> Table:
     """Print the key metrics of ``history`` (rows of one step each, as ``WandbLogger.history`` or ``read_run``
@@ -90,5 +113,8 @@ def print_summary(history: Sequence[Mapping[str, Any]], console: Console | None 
         table.add_row(key, str(int(s["steps"])), *(fmt_cell(s, c) for c in ("first", "last", "mean", "min", "max")))
     if not stats:
         table.add_row("(no key metric logged)", "", "", "", "", "", "")
-    (console or Console()).print(table)
+    console = console or Console()
+    console.print(table)
+    if (headline := replay_removes_text(history)) is not None:
+        console.print(headline)
     return table

@@ -25,7 +25,7 @@ def _make_step_metrics(step: int, *, r3: bool, layers: int = 4, samples: int = 8
         rollout_logprobs=rollout, trainer_logprobs=replay if r3 else no_replay, loss_masks=masks,
         trainer_logprobs_no_replay=no_replay if r3 else None,
         rewards=rng.integers(0, 2, size=samples).astype(float), response_lengths=lengths,
-        prompt_lengths=[20] * samples,
+        prompt_lengths=[20] * samples, sample_groups=[i // 2 for i in range(samples)],  # 2 samples per prompt
         routing_flip_per_layer=np.linspace(0.01, 0.03, layers) + 0.001 * step if r3 else None,
         replay_mismatch_rows=0 if r3 else None,
         loss=float(rng.normal()), grad_norm=float(rng.uniform(0.5, 2.0)),

@@ -60,6 +60,28 @@ def test_cli_writes_png_html_and_report_spec(run_dirs, tmp_path):
     assert "Routing flip rate per layer" in json.dumps(spec)
 
 
+def test_headline_says_what_replay_removes_with_its_paired_error(run_dirs, tmp_path):
+    """The page opens with the paired figure of the R3 run only, its value minus the mean of the logged
+    ``train/logprob_abs_diff_paired_delta``. Fails if ``replay_removes`` drops the sign (a negative "removes"), takes
+    the unpaired difference, or if the headline or its table row is dropped from the HTML or the W&B report."""
+    runs = load_runs([run_dirs[True], run_dirs[False]])
+    r3 = next(r for r in runs if r.replay == "r3")
+    deltas = [row["train/logprob_abs_diff_paired_delta"] for row in r3.history
+              if "train/logprob_abs_diff_paired_delta" in row]
+    assert len(deltas) == STEPS and max(deltas) < 0  # the synthetic replayed mismatch is the smaller one
+    out = tmp_path / "compare"
+    assert main(["--runs", str(run_dirs[True]), str(run_dirs[False]), "--out", str(out), "--entity", "e"]) == 0
+    page = (out / "comparison.html").read_text()
+    heads = [line for line in page.splitlines() if "replay removes" in line and line.startswith("<p>")]
+    assert len(heads) == 1 and "R3 on: tiny_moe-cpu-vllm_r3: replay removes " in heads[0]
+    shown = float(heads[0].split("replay removes ")[1].split(" ")[0])
+    assert shown == pytest.approx(-sum(deltas) / STEPS, rel=1e-3)
+    assert "standard error clustered by prompt" in heads[0]
+    row = page[page.index("replay removes, paired"):].split("</tr>")[0]
+    assert row.count(" ± ") == 1  # the R3 run's cell; the R3-off run has no paired pass
+    assert "replay removes" in json.dumps(report_spec(build_report(runs, entity="e", project="r3rl")))
+
+
 def test_report_object_validates_offline(run_dirs):
     runs = load_runs([run_dirs[True], run_dirs[False]])
     assert sorted(r.r3 for r in runs) == [False, True]

@@ -25,6 +25,10 @@ def test_block_from_a_run_replaces_the_readme_block_whole(figures, make_step_met
     block = figures.readme_block(cfg, history, wall_s=200.0)
     samples = cfg.algorithm.rollout_batch_size * cfg.algorithm.n_samples_per_prompt
     assert f"3 steps of {samples} samples" in block and "| mean |" in block and " ± " in block
+    # the headline is the paired figure: minus the mean paired delta over the steps (fails if the sign flips or the
+    # unpaired difference of the two means comes back)
+    removed = -sum(row["train/logprob_abs_diff_paired_delta"] for row in history) / 3
+    assert f"Replay removes {removed:.4f} ± " in block and "clustered by prompt" in block
     assert block.startswith(figures.BEGIN) and block.endswith(figures.END)
 
     readme = tmp_path / "README.md"
@@ -37,3 +41,31 @@ def test_block_from_a_run_replaces_the_readme_block_whole(figures, make_step_met
     assert readme.read_text() == head + block + tail
     figures.write_readme(readme, block)  # idempotent: the block is found again and replaced
     assert readme.read_text() == head + block + tail
+
+
+def test_grid_block_has_a_row_per_run_and_the_paired_figure_only_under_r3(make_step_metrics, tmp_path):
+    """bench/replay_grid.py's README block: one row per (replay, correction) run with each figure's mean over steps,
+    the paired "replay removes" only where the run had R3's paired pass, and the block found once in README.md and
+    replaced whole. Fails if a column reads a key the recipe no longer logs (the cells turn to "-"), or if the
+    paired figure is filled in for a run without the paired pass."""
+    spec = importlib.util.spec_from_file_location("replay_grid", REPO / "bench" / "replay_grid.py")
+    grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid)
+    # with rollout=vllm_r3 every run has the engine's routes, so every run logs its flip rate
+    histories = {(replay, corr): [{"step": s, "r3/routing_flip_rate": 0.02,
+                                   **make_step_metrics(s, r3=replay == "r3", samples=16)} for s in (1, 2)]
+                 for corr in grid.CORRECTIONS for replay in grid.REPLAYS}
+    block = grid.table(histories, steps=2)
+    rows = [line for line in block.splitlines() if line.startswith("| ") and not line.startswith("| replay")]
+    assert len(rows) == len(grid.REPLAYS) * len(grid.CORRECTIONS)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert "-" not in cells[2:-1], row  # every figure of the grid is logged by every run
+        assert (cells[-1] != "-") == (cells[0] == "r3"), row
+    text = (REPO / "README.md").read_text()
+    assert text.count(grid.BEGIN) == 1 and text.count(grid.END) == 1
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    grid.write_block(readme, block, grid.BEGIN, grid.END)
+    head, rest = text.split(grid.BEGIN)
+    assert readme.read_text() == head + block + rest.split(grid.END)[1]

@@ -21,3 +21,19 @@ def test_reward_and_eval_first_and_last_carry_their_standard_errors():
     assert fmt_cell(out["rollout/reward_mean"], "last") == "0.5 ± 0.03"
     assert fmt_cell(out["eval/arithmetic/avg@4"], "first") == "0.1 ± 0.02"
     assert fmt_cell(out["eval/arithmetic/pass@4"], "last") == "0.6 ± 0.06"
+
+
+def test_replay_removes_is_minus_the_paired_delta_with_the_pooled_clustered_error():
+    """Two steps of paired deltas -0.02 ± 0.003 and -0.01 ± 0.004 (each step's error clustered by prompt): replay
+    removes 0.015 ± sqrt(0.003² + 0.004²) / 2 = 0.0025. Steps without the paired pass (``replay.no_replay_every``)
+    are left out. Fails if the sign flips, if the error is taken over the two step means instead of pooled from the
+    clustered ones, or if a run without the paired figure (R3 off) gets a headline."""
+    from r3rl.tracking.summary import replay_removes, replay_removes_text
+
+    key = "train/logprob_abs_diff_paired_delta"
+    history = [{"_step": 1, key: -0.02, f"{key}_stderr": 0.003}, {"_step": 2, "train/logprob_abs_diff": 0.01},
+               {"_step": 3, key: -0.01, f"{key}_stderr": 0.004}]
+    removed, se, steps = replay_removes(history)
+    assert (round(removed, 6), round(se, 6), steps) == (0.015, 0.0025, 2)
+    assert replay_removes_text(history).startswith("replay removes 0.015 ± 0.0025 of |log-prob diff| per sample")
+    assert replay_removes([{"_step": 1, "train/logprob_abs_diff": 0.03}]) is None
