@@ -249,6 +249,8 @@ class EvalSetConfig(Frozen):
     label_key: str = "label"
     apply_chat_template: bool = True
     n_samples_per_prompt: int = 4
+    # pass@k's k, from the n samples by the unbiased estimator (None: n, where pass@n is "any correct")
+    k: Optional[int] = None
     reward: str = "math"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 

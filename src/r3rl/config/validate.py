@@ -324,9 +324,11 @@ def validate(cfg: R3RLConfig) -> None:
     problems.extend(checkpoint_problems(m))
 
     # eval sets, their files included: a malformed record is named by file and line here, before launch
-    from r3rl.eval.sets import eval_problems
+    from r3rl.eval.sets import eval_overlaps, eval_problems
 
     problems.extend(eval_problems(cfg))
+    if not problems:  # reads the training data, which needs sane data and eval settings
+        problems.extend(eval_overlaps(cfg))
 
     if problems:
         raise ConfigError(problems)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from r3rl.config.schema import DataConfig
+from r3rl.data.overlap import problem_key, problem_keys
 
 _OPS = ("+", "-", "*")
 PROMPT_TEMPLATE = "What is {a} {op} {b}? Think step by step and put the final answer in \\boxed{{}}."
@@ -152,16 +153,27 @@ def ensure_generated(path: str | os.PathLike, fingerprint: dict, make, *, regene
     path = Path(path)
     if not path.is_file() and not regenerate:
         raise FileNotFoundError(missing)
+    if used_as_is(path, fingerprint, regenerate):
+        return path
     marker = fingerprint_path(path)
     fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))  # as it reads back (tuples become lists)
-    if path.is_file():
-        if not marker.is_file() or not regenerate or json.loads(marker.read_text()) == fingerprint:
-            return path
     out = make(path)
     tmp = marker.with_name(marker.name + ".tmp")
     tmp.write_text(json.dumps(fingerprint, sort_keys=True))
     os.replace(tmp, marker)
     return out
+
+
+def used_as_is(path: str | os.PathLike, fingerprint: dict, regenerate: bool = True) -> bool:
+    """Whether ``ensure_generated`` would use the file at ``path`` as it is (validation reads that file, and draws
+    what would be written otherwise, without writing)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    marker = fingerprint_path(path)
+    if not marker.is_file() or not regenerate:
+        return True
+    return json.loads(marker.read_text()) == json.loads(json.dumps(fingerprint, sort_keys=True))
 
 
 def ensure_sft_data(data_cfg: DataConfig) -> Path:
@@ -185,20 +197,23 @@ def ensure_sft_data(data_cfg: DataConfig) -> Path:
 def generate_heldout(num: int, seed: int, exclude: Iterable[str],
                      space: ProblemSpace = ProblemSpace()) -> list[dict[str, str]]:
     """``num`` distinct problems of ``space`` (the training prompts' space, its ``heldout`` split when the training
-    data draws from a split), none of whose prompt text is in ``exclude``.
+    data draws from a split), none of which is a prompt of ``exclude`` by normalised problem
+    (``r3rl.data.overlap.problem_key``: ``b + a`` is excluded with ``a + b``).
 
-    Drawing from the same distribution keeps the held-out split comparable; excluding by prompt text (not by seed)
+    Drawing from the same distribution keeps the held-out split comparable; excluding by problem (not by seed)
     holds whatever file the training prompts came from.
     """
     if num <= 0:
         raise ValueError(f"num_generated_prompts={num}: must be positive to generate prompts")
-    taken = set(exclude)
+    training = problem_keys(exclude)
+    # distinct by text among themselves, as before: a + b and b + a are two held-out prompts, neither trained on
+    taken: set[str] = set()
     available = sum(len(v) for v in problems_of(space).values())
     rng = random.Random(seed)
     out: list[dict[str, str]] = []
     for _ in range(1000 * num):
         problem = draw_problem(rng, space)
-        if problem["prompt"] not in taken:
+        if problem["prompt"] not in taken and problem_key(problem["prompt"]) not in training:
             taken.add(problem["prompt"])
             out.append(problem)
             if len(out) == num:

@@ -24,6 +24,7 @@ import numpy as np
 
 from r3rl.config.schema import DataConfig
 from r3rl.data.dataset import DataError, PromptDataset, _messages, jsonl_objects
+from r3rl.data.overlap import user_texts
 from r3rl.sample import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -64,23 +65,18 @@ def read_sft_rows(path: str | Path, cfg: DataConfig, config_key: str = "data") -
 
 
 def prompt_texts(data_cfg: DataConfig) -> set[str]:
-    """The plain-text user prompts of a training file, GRPO's (prompt/label) or SFT's (prompt/response, messages):
-    what a generated held-out split must avoid."""
+    """The user prompts of a training file, GRPO's (prompt/label) or SFT's (prompt/response, messages), a chat's
+    user turns each on its own: what an eval set must avoid."""
     path = Path(data_cfg.path)
     with path.open(encoding="utf-8") as f:
         first = next((json.loads(line) for line in f if line.strip()), {})
     if isinstance(first, dict) and data_cfg.label_key in first and data_cfg.prompt_key in first:
         from r3rl.data.dataset import read_prompt_rows
 
-        rows = read_prompt_rows(path, data_cfg.prompt_key, data_cfg.label_key)
-        return {prompt for _, prompt, _ in rows if isinstance(prompt, str)}
-    out = set()
-    for _, prompt, _, _ in read_sft_rows(path, data_cfg):
-        if isinstance(prompt, str):
-            out.add(prompt)
-        else:  # the user turns of a chat
-            out.update(m["content"] for m in prompt if m["role"] == "user")
-    return out
+        prompts = [prompt for _, prompt, _ in read_prompt_rows(path, data_cfg.prompt_key, data_cfg.label_key)]
+    else:
+        prompts = [prompt for _, prompt, _, _ in read_sft_rows(path, data_cfg)]
+    return {text for prompt in prompts for text in user_texts(prompt)}
 
 
 def sft_data_problems(cfg) -> list[tuple[str, str]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from rich.console import Console
 
-from r3rl.eval.scoring import set_metrics
+from r3rl.eval.scoring import overlaps_key, set_metrics
 from r3rl.eval.sets import EvalSet
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import EngineError
@@ -62,15 +62,19 @@ class Evaluator:
                 raise EngineError(f"eval {s.name} at step {step}: the engine aborted samples")
             texts = [self.tokenizer.decode(x.response_ids, skip_special_tokens=True) for x in samples]
             rewards = [s.score(t, x.label) for t, x in zip(texts, samples)]
+            n, k = s.cfg.n_samples_per_prompt, s.k
             values.update(set_metrics(
-                s.name, s.cfg.n_samples_per_prompt, rewards=rewards,
+                s.name, n, rewards=rewards,
                 groups=[x.group for x in samples], lengths=[x.response_length for x in samples],
-                truncated=[x.status == SampleStatus.TRUNCATED for x in samples]))
+                truncated=[x.status == SampleStatus.TRUNCATED for x in samples], k=k))
+            # constant over a run, logged with every point so a run's eval figures say what they left out
+            values[overlaps_key(s.name)] = float(s.overlaps_removed)
             if self.record_dir is not None:
                 self._record(s.name, step, rewards, [x.group for x in samples])
-            k = s.cfg.n_samples_per_prompt
-            self.console.print(f"eval {s.name} at step {step}: avg@{k} {values[f'eval/{s.name}/avg@{k}']:.3f}, "
-                               f"pass@{k} {values[f'eval/{s.name}/pass@{k}']:.3f} ({len(s.prompts)} prompts x {k})")
+            pass_k = f", pass@{k} {values[f'eval/{s.name}/pass@{k}']:.3f}" if k != n else ""
+            self.console.print(f"eval {s.name} at step {step}: avg@{n} {values[f'eval/{s.name}/avg@{n}']:.3f}, "
+                               f"pass@{n} {values[f'eval/{s.name}/pass@{n}']:.3f}{pass_k} ({len(s.prompts)} prompts "
+                               f"x {n}; {s.overlaps_removed} training problems left out)")
         values[EVAL_TIME] = time.perf_counter() - started
         return values
 

@@ -1,8 +1,9 @@
 """What an eval point reports per set, as pure functions of the scored samples.
 
-``avg@k`` is the mean reward over the k samples of every prompt. ``pass@k`` is the unbiased estimator of Chen et al.
-(2021): with n samples of a prompt of which c are correct, ``1 - C(n - c, k) / C(n, k)`` is the chance that k
-samples drawn without replacement hold a correct one, averaged over prompts.
+With n samples of every prompt, ``avg@n`` is the mean reward over them. ``pass@k`` is the unbiased estimator of
+Chen et al. (2021): with c of a prompt's n samples correct, ``1 - C(n - c, k) / C(n, k)`` is the chance that k
+samples drawn without replacement hold a correct one, averaged over prompts. ``pass@n`` (k = n) is only "any of the
+n correct"; a set's ``k`` below n logs ``pass@k`` beside it.
 """
 
 from __future__ import annotations
@@ -26,34 +27,48 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def metric_keys(name: str, k: int) -> dict[str, str]:
+def overlaps_key(name: str) -> str:
+    """The count of set ``name``'s problems left out as training problems (``r3rl.eval.sets``)."""
+    return f"eval/{name}/overlaps_removed"
+
+
+def metric_keys(name: str, n: int, k: int | None = None) -> dict[str, str]:
+    """The keys of set ``name`` with ``n`` samples per prompt; ``pass_k`` only when ``k`` is set and below n."""
     base = f"eval/{name}"
-    return {"avg": f"{base}/avg@{k}", "avg_stderr": f"{base}/avg@{k}_stderr", "pass": f"{base}/pass@{k}",
-            "pass_stderr": f"{base}/pass@{k}_stderr",
+    keys = {"avg": f"{base}/avg@{n}", "avg_stderr": f"{base}/avg@{n}_stderr", "pass": f"{base}/pass@{n}",
+            "pass_stderr": f"{base}/pass@{n}_stderr",
             "length": f"{base}/response_length_mean", "truncated": f"{base}/truncated_share"}
+    if k is not None and k != n:
+        keys |= {"pass_k": f"{base}/pass@{k}", "pass_k_stderr": f"{base}/pass@{k}_stderr"}
+    return keys
 
 
-def set_metrics(name: str, k: int, rewards: Sequence[float], groups: Sequence[int], lengths: Sequence[int],
-                truncated: Sequence[bool]) -> dict[str, float]:
-    """The metrics of one set from its samples (``groups[i]``: the prompt of sample i, k samples per prompt)."""
+def _mean_and_stderr(x: np.ndarray) -> tuple[float, float]:
+    # prompts are the independent draws: the spread of their figures, not of single samples
+    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else math.nan)
+
+
+def set_metrics(name: str, n: int, rewards: Sequence[float], groups: Sequence[int], lengths: Sequence[int],
+                truncated: Sequence[bool], k: int | None = None) -> dict[str, float]:
+    """The metrics of one set from its samples (``groups[i]``: the prompt of sample i, n samples per prompt;
+    ``k``: pass@k's k besides n, None for pass@n only)."""
     r = np.asarray(rewards, dtype=np.float64)
     g = np.asarray(groups)
     if not len(r) == len(g) == len(lengths) == len(truncated) or len(r) == 0:
         raise ValueError(f"eval set {name}: rewards, groups, lengths and truncated must be equal and non-empty")
     prompts = np.unique(g)
     per_prompt = [r[g == p] for p in prompts]
-    if any(len(x) != k for x in per_prompt):
+    if any(len(x) != n for x in per_prompt):
         counts = sorted({len(x) for x in per_prompt})
-        raise ValueError(f"eval set {name}: every prompt needs k={k} samples, got {counts}")
-    means = np.asarray([x.mean() for x in per_prompt])
-    passes = np.asarray([pass_at_k(k, int((x >= CORRECT).sum()), k) for x in per_prompt])
-    keys = metric_keys(name, k)
-    return {
-        keys["avg"]: float(means.mean()),
-        # prompts are the independent draws: the spread of their means, not of single samples
-        keys["avg_stderr"]: float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else math.nan,
-        keys["pass"]: float(passes.mean()),
-        keys["pass_stderr"]: float(passes.std(ddof=1) / math.sqrt(len(passes))) if len(passes) > 1 else math.nan,
-        keys["length"]: float(np.mean(lengths)),
-        keys["truncated"]: float(np.mean(np.asarray(truncated, dtype=np.float64))),
-    }
+        raise ValueError(f"eval set {name}: every prompt needs n={n} samples, got {counts}")
+    correct = [int((x >= CORRECT).sum()) for x in per_prompt]
+    keys = metric_keys(name, n, k)
+    out: dict[str, float] = {}
+    out[keys["avg"]], out[keys["avg_stderr"]] = _mean_and_stderr(np.asarray([x.mean() for x in per_prompt]))
+    out[keys["pass"]], out[keys["pass_stderr"]] = _mean_and_stderr(np.asarray([pass_at_k(n, c, n) for c in correct]))
+    if "pass_k" in keys:
+        out[keys["pass_k"]], out[keys["pass_k_stderr"]] = _mean_and_stderr(
+            np.asarray([pass_at_k(n, c, k) for c in correct]))
+    out[keys["length"]] = float(np.mean(lengths))
+    out[keys["truncated"]] = float(np.mean(np.asarray(truncated, dtype=np.float64)))
+    return out

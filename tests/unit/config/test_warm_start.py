@@ -26,7 +26,7 @@ def test_the_cache_key_follows_what_shapes_the_weights_only():
     (every GRPO tweak would redo five minutes of SFT)."""
     base = warm_start.fingerprint(compose(["parallelism=cpu"]))
     assert warm_start.fingerprint(compose(["parallelism=cpu", "trainer.lr=1e-3", "run.num_steps=3"])) == base
-    for override in ("warm_start.num_steps=10", "warm_start.verbose_share=0.2", "data.max_operand=15",
+    for override in ("warm_start.num_steps=10", "warm_start.verbose_share=0.2", "data.max_operand=25",
                      "model.init_seed=3"):
         assert warm_start.fingerprint(compose(["parallelism=cpu", override])) != base, override
 

@@ -117,5 +117,5 @@ def test_heldout_split_avoids_the_sft_prompts(tmp_path, sft_data):
     ensure_sft_data(sft_data)
     s = compose(["parallelism=cpu"]).eval.sets["arithmetic"]
     s = dataclasses.replace(s, path=str(tmp_path / "heldout.jsonl"), num_generated_prompts=50)
-    held = {json.loads(line)["prompt"] for line in ensure_heldout(s, sft_data).read_text().splitlines()}
+    held = {json.loads(line)["prompt"] for line in ensure_heldout(s, sft_data, prompt_texts(sft_data)).read_text().splitlines()}
     assert len(held) == 50 and not held & prompt_texts(sft_data)

@@ -43,8 +43,24 @@ def test_set_metrics_hand_computed():
     assert out["eval/arith/avg@2_stderr"] == pytest.approx(math.sqrt(0.125) / math.sqrt(2))
 
 
-def test_set_metrics_needs_k_samples_per_prompt():
-    with pytest.raises(ValueError, match="k=2"):
+def test_set_metrics_with_k_below_n_logs_the_unbiased_pass_at_k_beside_pass_at_n():
+    """n = 4, k = 2; prompt 0 has 1 of 4 right, prompt 1 has 3: pass@2 = mean(1 - C(3,2)/C(4,2), 1 - C(1,2)/C(4,2))
+    = mean(1/2, 1) = 3/4 while pass@4 ("any correct") = 1. Fails if pass@k were computed with k = n, or the
+    k = n keys the dashboard reads were renamed."""
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    out = set_metrics("arith", 4, rewards=rewards, groups=[0] * 4 + [1] * 4, lengths=[1] * 8, truncated=[False] * 8,
+                      k=2)
+    assert out["eval/arith/pass@2"] == pytest.approx(0.75)
+    assert out["eval/arith/pass@2_stderr"] == pytest.approx(math.sqrt(0.125) / math.sqrt(2))
+    assert out["eval/arith/pass@4"] == pytest.approx(1.0) and out["eval/arith/avg@4"] == pytest.approx(0.5)
+    # k = n (or unset) logs the one pass@n key, as before
+    same = set_metrics("arith", 4, rewards=rewards, groups=[0] * 4 + [1] * 4, lengths=[1] * 8,
+                       truncated=[False] * 8, k=4)
+    assert not any(key.startswith("eval/arith/pass@2") for key in same) and same["eval/arith/pass@4"] == 1.0
+
+
+def test_set_metrics_needs_n_samples_per_prompt():
+    with pytest.raises(ValueError, match="n=2"):
         set_metrics("arith", 2, rewards=[1.0, 0.0, 1.0], groups=[0, 0, 1], lengths=[1, 1, 1],
                     truncated=[False] * 3)
 

@@ -11,14 +11,14 @@ import pytest
 from r3rl.config import CONF_DIR, ConfigError, compose
 from r3rl.data.arithmetic import ensure_prompts, generate_heldout, generate_problems
 from r3rl.data.dataset import read_prompt_rows
-from r3rl.eval.sets import ensure_heldout, eval_due
+from r3rl.eval.sets import ensure_heldout, eval_due, training_prompts
 
 
 def test_heldout_split_is_disjoint_from_the_training_prompts_and_drawn_alike(tmp_path):
     cfg = compose(["parallelism=cpu", f"run.data_dir={tmp_path}"])
     train_path = ensure_prompts(cfg.data)
     s = cfg.eval.sets["arithmetic"]
-    path = ensure_heldout(s, cfg.data)
+    path = ensure_heldout(s, cfg.data, training_prompts(cfg))
     train = {p for _, p, _ in read_prompt_rows(train_path, "prompt", "label")}
     held = read_prompt_rows(path, s.prompt_key, s.label_key)
     assert len(held) == s.num_generated_prompts
