@@ -40,6 +40,8 @@ ifeq ($(PROFILE),cpu)
 	$(VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VENV)/bin/python -m pip install -q -e compat/triton-cpu-backend
 else
+	# vLLM 0.32.0's torch 2.13.0 is a CUDA 13 build (driver >= 580); TE compiles here: needs CUDA 13's nvcc and cuDNN
+	scripts/check_gpu_driver.sh
 	$(VENV)/bin/python -m pip install -q "$(VLLM_PIN)" setuptools pybind11 ninja
 	$(VENV)/bin/python -m pip install -q --no-build-isolation -e ".[gpu,test]"
 endif

@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check: the GPU-marked trainer tests on a machine with ONE GPU, Python 3.12 and CUDA torch, but no network
-# and no vLLM (Megatron's CUDA path: local spec on CUDA against transformers, NCCL with world size 1, replay, the
-# distributed optimizer with CPU offload, export). Finishes within 8 minutes and prints a summary; exit 0 = passed.
+# The GPU check, on a machine with ONE GPU, Python 3.12 and CUDA torch, but no network, no vLLM and no
+# TransformerEngine. Finishes within 8 minutes and prints a summary; exit 0 = passed. It runs, then measures:
+#   1. `pytest -m gpu` over the trainer tests: Megatron's CUDA path (local spec on CUDA against transformers, NCCL
+#      with world size 1, replay, export), the distributed optimizer with CPU offload, and issue 23 item 1 (offload
+#      and onload around a step leave the CPU-offloaded optimizer's state in host memory);
+#   2. the weight-sync wires' GPU tests: issue 23 item 2's stream race (tests/integration/rollout/
+#      test_gpu_wire_streams.py) and the IPC wire (test_gpu_wires.py). Without vLLM only the race test's vLLM-free
+#      half runs (`after_stream` orders a pack on another stream after a slow writer): NcclWire's race test and the
+#      IPC wire test drive vLLM's own producer and consumer, and vLLM is too large to travel, so the summary names
+#      them "not checked (no vLLM)"; on a machine where vLLM imports they run. The NCCL wire test needs two GPUs;
+#   3. the memory probe (bench/gpu_memory_probe.py): a Qwen3-30B-A3B-width slice (2 layers; real width, 128 experts,
+#      top-8, real vocab) through one training step at the planned micro-batch tokens, each term's measured bytes
+#      next to r3rl.memory's estimate; passes when `memory plan/measured` is within 0.9-1.2. Without TE it runs the
+#      attention through torch's fused SDPA, as the plan assumes fused attention (see the probe's docstring).
 #
-#   scripts/gpu_check.sh --download   # here, with network: puts the wheels in scripts/gpu_check_wheels/ (~3 MB,
+#   scripts/gpu_check.sh --download   # here, with network: puts the wheels in scripts/gpu_check_wheels/ (~3.2 MB,
 #                                     # git-ignored; carry that folder with the checkout to the GPU machine)
-#   scripts/gpu_check.sh [pytest args] # there: installs the wheels offline, runs `pytest -m gpu` over the train tests
+#   scripts/gpu_check.sh [pytest args] # there: installs the wheels offline, runs the tests, then the probe
 #
 # What the GPU machine must already have: torch with CUDA, numpy, transformers, tokenizers, safetensors, PyYAML,
-# packaging, pytest, pytest-timeout. What travels: Megatron-core 0.19.x (Python 3.12 only) and the config stack
-# (hydra-core, omegaconf, antlr4-python3-runtime), all pure Python or small. vLLM and TransformerEngine are too large
-# to travel, so the engine is not checked here and Megatron runs its local (non-TE) spec.
+# packaging, pytest, pytest-timeout, and ~40 GiB of free host memory (the probe's CPU-offloaded optimizer). What
+# travels: Megatron-core 0.19.x (Python 3.12 only), the config stack (hydra-core, omegaconf, antlr4-python3-runtime)
+# and httpx with its dependencies (installed only when the machine's Python lacks httpx), all pure Python or small.
+# vLLM and TransformerEngine are too large to travel, so the engine is not checked here and Megatron runs its local
+# (non-TE) spec.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -19,22 +32,31 @@ WHEELS=scripts/gpu_check_wheels
 MEGATRON=megatron-core==0.19.2
 CONFIG_STACK=(hydra-core==1.3.8 omegaconf==2.3.1)
 ANTLR=antlr4-python3-runtime==4.9.3
+# the weight-sync wires' client side (r3rl.sync) imports httpx; pure-Python wheels, as .venv-trainer resolves them
+HTTPX_STACK=(httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 idna==3.20 certifi==2026.10.19.post1)
+# seconds: the whole check, and the share kept for the memory probe (it takes about a minute on an H200)
+BUDGET=480
+PROBE_RESERVE=150
+GPU_TESTS=(tests/integration/train tests/unit/train tests/integration/rollout/test_gpu_wire_streams.py
+           tests/integration/rollout/test_gpu_wires.py)
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
 if [ "${1:-}" = "--download" ]; then
-  rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS/httpx"
   # binary wheels for the target (CPython 3.12 on x86_64 Linux) whatever Python runs this
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    -d "$WHEELS" "$MEGATRON" "${CONFIG_STACK[@]}"
+  target=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+          --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64)
+  "$PY" -m pip download -q --no-deps "${target[@]}" -d "$WHEELS" "$MEGATRON" "${CONFIG_STACK[@]}"
+  "$PY" -m pip download -q --no-deps "${target[@]}" -d "$WHEELS/httpx" "${HTTPX_STACK[@]}"
   # a pure-Python wheel built from the sdist, so the offline install needs no build step
   "$PY" -m pip wheel -q --no-deps -w "$WHEELS" "$ANTLR"
-  ls -l "$WHEELS"
+  ls -l "$WHEELS" "$WHEELS/httpx"
   du -sh "$WHEELS"
   exit 0
 fi
 
+start=$(date +%s)
 "$PY" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' \
   || die "$("$PY" -V 2>&1) found; Megatron-core 0.19 needs Python 3.12 (set PYTHON=...)"
 "$PY" -c 'import torch' 2>/dev/null || die "torch is not importable with $PY"
@@ -43,36 +65,85 @@ compgen -G "$WHEELS/*.whl" >/dev/null \
 
 site="$(mktemp -d /tmp/r3rl-gpu-check.XXXXXX)"
 trap 'rm -rf "$site"' EXIT
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
-  --target "$site" "$WHEELS"/*.whl
-export PYTHONPATH="$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+install_wheels() {  # install_wheels TARGET WHEEL...
+  local target=$1
+  shift
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+    --target "$target" "$@"
+  path="$target${path:+:$path}"
+}
+path=""
+install_wheels "$site/lib" "$WHEELS"/*.whl
+if ! "$PY" -c 'import httpx' 2>/dev/null; then
+  compgen -G "$WHEELS/httpx/*.whl" >/dev/null \
+    || die "httpx is missing here and $WHEELS/httpx/ is empty: rerun 'scripts/gpu_check.sh --download' and carry it"
+  install_wheels "$site/httpx" "$WHEELS"/httpx/*.whl
+fi
+export PYTHONPATH="$path:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # checkpoints are local folders (the tiny model is generated); never reach for a hub on a machine without network
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 
 PYTHONWARNINGS=ignore "$PY" - 2>/dev/null <<'EOF'
-import sys, torch, megatron.core, hydra, omegaconf, transformers
+import importlib.util, sys, torch, megatron.core, hydra, omegaconf, transformers
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible"
+vllm = "vLLM importable" if importlib.util.find_spec("vllm") else "no vLLM"
 print(f"gpu_check: Python {sys.version.split()[0]}, torch {torch.__version__},"
       f" megatron-core {megatron.core.__version__}, hydra-core {hydra.__version__}, omegaconf {omegaconf.__version__}, transformers {transformers.__version__};"
-      f" CUDA GPU: {gpu}")
+      f" CUDA GPU: {gpu}; {vllm}")
 EOF
 
-start=$(date +%s)
 set +e
-timeout 480 "$PY" -m pytest -m gpu tests/integration/train tests/unit/train -p no:cacheprovider -q -rA \
-  --timeout 300 "$@"
+timeout $(( BUDGET - PROBE_RESERVE - ($(date +%s) - start) )) "$PY" -m pytest -m gpu "${GPU_TESTS[@]}" \
+  -p no:cacheprovider -q -rA --timeout 300 --junitxml "$site/pytest.xml" "$@"
 rc=$?
 set -e
-secs=$(( $(date +%s) - start ))
 
 if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-  echo "gpu_check: NOT CHECKED in ${secs}s: no CUDA GPU visible, so the GPU tests above were collected and skipped"
+  echo "gpu_check: NOT CHECKED in $(( $(date +%s) - start ))s: no CUDA GPU visible, so the GPU tests above were" \
+    "collected and skipped, and the memory probe did not run"
   exit 3
 fi
+
+# what pytest skipped on this machine, by reason (vLLM's decoders, a second GPU)
+if [ -f "$site/pytest.xml" ]; then
+  "$PY" - "$site/pytest.xml" <<'EOF'
+import collections, sys, xml.etree.ElementTree as ET
+skipped = collections.defaultdict(list)
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    for skip in case.iter("skipped"):
+        message = skip.get("message", "")
+        reason = "no vLLM" if "vllm" in message.lower() else message.split(": ", 1)[-1] or "skipped"
+        skipped[reason].append(f"{case.get('classname', '').rsplit('.', 1)[-1]}.py::{case.get('name')}")
+for reason, names in skipped.items():
+    print(f"gpu_check: not checked ({reason}): {', '.join(names)}")
+EOF
+fi
+
+probe_rc=0
+ratio="not measured"
+if [ $rc -ne 124 ]; then
+  left=$(( BUDGET - ($(date +%s) - start) ))
+  set +e
+  timeout $(( left > 60 ? left : 60 )) "$PY" bench/gpu_memory_probe.py 2>&1 | tee "$site/probe.log"
+  probe_rc=${PIPESTATUS[0]}
+  set -e
+  ratio=$(sed -n 's/^memory plan\/measured: //p' "$site/probe.log" | tail -n 1)
+  ratio=${ratio:-not measured}
+fi
+
+secs=$(( $(date +%s) - start ))
+memory="memory plan/measured: $ratio"
 case $rc in
-  0) echo "gpu_check: PASSED in ${secs}s" ;;
-  5) echo "gpu_check: FAILED: no GPU-marked tests were selected" ;;
-  124) echo "gpu_check: FAILED: over the 8-minute budget (stopped after ${secs}s)" ;;
-  *) echo "gpu_check: FAILED (pytest exit $rc) in ${secs}s" ;;
+  0) ;;
+  5) echo "gpu_check: FAILED: no GPU-marked tests were selected ($memory)"; exit 5 ;;
+  124) echo "gpu_check: FAILED: the tests ran over their share of the 8-minute budget (stopped after ${secs}s)"
+       exit 124 ;;
+  *) echo "gpu_check: FAILED (pytest exit $rc) in ${secs}s ($memory)"; exit $rc ;;
 esac
-exit $rc
+case $probe_rc in
+  0) echo "gpu_check: PASSED in ${secs}s ($memory)" ;;
+  4) echo "gpu_check: FAILED: $memory is outside 0.9-1.2 (the probe's table above names each term) in ${secs}s"
+     exit 1 ;;
+  124) echo "gpu_check: FAILED: the memory probe ran over the 8-minute budget (stopped after ${secs}s)"; exit 124 ;;
+  *) echo "gpu_check: FAILED: the memory probe exited $probe_rc in ${secs}s ($memory)"; exit "$probe_rc" ;;
+esac

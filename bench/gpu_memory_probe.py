@@ -1,0 +1,450 @@
+"""Memory probe: a Qwen3-30B-A3B-width slice through one training step on one GPU, measured next to the plan.
+
+The slice is the planned experiment (``experiment=qwen3_30b_r3_4p4``: its micro-batch tokens, bf16, full recompute,
+distributed optimizer with CPU offload) with ``--layers`` decoder layers (default 2) and all 128 experts on the one
+GPU: real hidden size, heads, experts, top-k, expert width and vocabulary. r3rl's own code builds it
+(``r3rl.train.model``: settings, GPTModel, Megatron DDP; ``r3rl.train.optim``: the optimizer) with random weights
+(no checkpoint), and runs one forward + backward + optimizer step the way ``MegatronTrainer`` does (token log-probs
+by ``vocab_parallel_cross_entropy`` on the float32 logits, the GRPO loss, ``finalize_model_grads``, the step).
+
+Measured (``torch.cuda.memory_allocated`` / ``max_memory_allocated``) after each phase: weights (model built),
+gradients (DDP's float32 buffer), master weights + optimizer state on the GPU (optimizer built, and what its first
+step adds), activations + logits (the peak of forward and backward above what stays resident). Each is printed next
+to ``r3rl.memory.trainer_parts`` for the same slice; the last line is ``memory plan/measured: <ratio>``: the plan's
+terms that torch's allocator sees (all but ``runtime``: CUDA context, NCCL, fragmentation) over the step's peak.
+Exit 0 when the ratio is within [0.9, 1.2], 4 outside, 3 without a CUDA GPU (1: it failed).
+
+Without TransformerEngine (the one-GPU check carries none) Megatron's local spec computes attention unfused, with an
+S x S score matrix per head (32 x 9216^2 in bf16, 5.4 GB, plus its float32 softmax); the plan assumes fused attention
+(TE in the gpu profile). The probe then swaps the core attention for torch's ``scaled_dot_product_attention`` (a
+fused kernel, math fallback excluded) so it measures what the plan describes; with TE it runs r3rl's spec as is. For
+the same reason the plan side takes ``trainer.precision_aware_optimizer`` as this install runs it (off without TE,
+where r3rl's ``te_fallback`` turns it off: then the float32 master weights stay on the GPU).
+
+    python bench/gpu_memory_probe.py               # on one GPU (scripts/gpu_check.sh runs it)
+    python bench/gpu_memory_probe.py --plan-only   # anywhere: the plan side only
+    python bench/gpu_memory_probe.py --cpu-smoke   # development: a tiny slice through the same code on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+GIB = 1024**3
+EXPERIMENT = "qwen3_30b_r3_4p4"
+RATIO_RANGE = (0.9, 1.2)
+NO_CUDA_EXIT = 3
+OUTSIDE_EXIT = 4  # measured, and the plan is off by more than RATIO_RANGE allows
+# r3rl.memory.trainer_parts' terms: resident through the step, and the step's working set
+STATIC_TERMS = ("weights", "gradients", "master weights", "optimizer state")
+TRANSIENT_TERMS = ("activations", "logits")
+# a model small enough for a CPU, for --cpu-smoke (the code path, not the memory)
+CPU_SMOKE_MODEL = ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+                   "model.head_dim=16", "model.num_experts=8", "model.moe_topk=2", "model.moe_ffn_hidden_size=32",
+                   "model.vocab_size=512", "parallelism=cpu", "trainer.params_dtype=float32",
+                   "trainer.optimizer_cpu_offload=false", "trainer.max_tokens_per_micro_batch=64"]
+
+
+def slice_overrides(layers: int, precision_aware: bool, experiment: str = EXPERIMENT) -> list[str]:
+    """The planned experiment cut to ``layers`` decoder layers and one trainer GPU holding every expert."""
+    return [f"experiment={experiment}", f"model.num_layers={layers}",
+            "parallelism.trainer.num_gpus=1", "parallelism.trainer.tensor_parallel=1",
+            "parallelism.trainer.pipeline_parallel=1", "parallelism.trainer.expert_parallel=1",
+            "parallelism.trainer.context_parallel=1", "parallelism.trainer.expert_tensor_parallel=1",
+            "parallelism.trainer.sequence_parallel=false",
+            # the rollout side only has to fit the layout check; the probe starts no engine
+            "parallelism.rollout.num_gpus=1", "parallelism.rollout.tensor_parallel=1",
+            "parallelism.rollout.data_parallel=1", "parallelism.gpus_per_node=2", "parallelism.nnodes=1",
+            f"trainer.precision_aware_optimizer={str(precision_aware).lower()}"]
+
+
+def compose_slice(layers: int, precision_aware: bool, extra: list[str] = ()):
+    import logging
+
+    from r3rl.config import compose
+
+    # the experiment's data set need not exist here: the probe reads no data (compose would warn about it)
+    quiet = logging.getLogger("r3rl.eval.sets")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return compose(slice_overrides(layers, precision_aware) + list(extra))
+    finally:
+        quiet.setLevel(level)
+
+
+@dataclass(frozen=True)
+class PlanSide:
+    """``r3rl.memory``'s trainer-rank terms for the slice (bytes) and the micro batch it plans for."""
+
+    terms: dict[str, int]
+    params_dtype: str
+    tokens: int  # r3rl.memory.micro_batch_tokens
+    batch: tuple[int, int]  # [samples, tokens each] of the micro batch the probe feeds
+
+    @property
+    def allocator_total(self) -> int:
+        """What torch's allocator can see: every term but ``runtime``."""
+        return sum(v for k, v in self.terms.items() if k != "runtime")
+
+
+def plan_side(cfg) -> PlanSide:
+    """Pure: the plan of ``cfg``'s trainer rank, as ``r3rl.memory.estimate`` counts it."""
+    from r3rl import memory
+    from r3rl.config.modes import resolve_dtype
+
+    dtype = resolve_dtype(cfg.trainer.params_dtype, cfg.parallelism.device)
+    parts, _ = memory.trainer_parts(cfg, dtype)
+    tokens = memory.micro_batch_tokens(cfg)
+    tr = cfg.trainer
+    batch = (1, tokens) if tr.max_tokens_per_micro_batch is not None else \
+        (tr.micro_batch_size, cfg.rollout.engine.max_model_len)
+    return PlanSide({p.name: p.bytes for p in parts}, dtype, tokens, batch)
+
+
+def have_transformer_engine_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def gib(b: float | None) -> str:
+    return "-" if b is None else f"{b / GIB:.2f}"
+
+
+def describe(cfg, plan: PlanSide, precision_aware: bool) -> str:
+    m, tr, t = cfg.model, cfg.trainer, cfg.parallelism.trainer
+    offload = tr.optimizer_offload_fraction if tr.optimizer_cpu_offload else 0.0
+    return (f"slice of {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+            f"({m.num_query_groups} KV groups), {m.num_experts} experts, top-{m.moe_topk}, expert width "
+            f"{m.moe_ffn_hidden_size}, vocab {m.vocab_size}; TP {t.tensor_parallel}, EP {t.expert_parallel}; "
+            f"micro batch {plan.batch[0]} x {plan.batch[1]} = {plan.tokens} tokens; {plan.params_dtype}; recompute "
+            f"{tr.recompute_granularity}; optimizer offload {offload}, precision-aware "
+            f"{'on' if precision_aware else 'off'}")
+
+
+def plan_rows(plan: PlanSide) -> list[str]:
+    t = plan.terms
+    out = [f"{'term':<46}{'plan GiB':>10}"]
+    for name in STATIC_TERMS + TRANSIENT_TERMS + ("runtime",):
+        out.append(f"{name:<46}{gib(t.get(name, 0)):>10}")
+    out.append(f"{'total seen by the allocator (all but runtime)':<46}{gib(plan.allocator_total):>10}")
+    return out
+
+
+@dataclass
+class Measured:
+    weights: int = 0
+    gradients: int = 0
+    optimizer_build: int = 0  # master weights + optimizer state allocated when the optimizer is built
+    optimizer_first_step: int = 0  # what the first step leaves allocated (lazily created moments)
+    kept_after_forward: int = 0
+    forward_peak: int = 0  # above the resident bytes before the forward
+    backward_peak: int = 0
+    step_transient: int = 0  # optimizer step, above the resident bytes before it
+    build_peak: int = 0
+    step_peak: int = 0  # the training step's peak above the baseline: the figure the plan is compared with
+    reserved_peak: int = 0  # torch's allocator: the most it held from the device during the step (cached blocks too)
+    outside_allocator: int | None = None  # device memory in use outside torch's allocator (CUDA context, NCCL)
+    loss: float = float("nan")
+    grad_norm: float = float("nan")
+    seconds: float = 0.0
+
+
+def comparison_rows(plan: PlanSide, got: Measured) -> list[str]:
+    t = plan.terms
+
+    def row(name: str, planned: int | None, measured: int | None) -> str:
+        r = f"{planned / measured:.2f}" if planned is not None and measured else "-"
+        return f"{name:<46}{gib(planned):>10}{gib(measured):>14}{r:>15}"
+
+    optimizer = got.optimizer_build + got.optimizer_first_step
+    transient = max(got.forward_peak, got.backward_peak)
+    return [
+        f"{'term':<46}{'plan GiB':>10}{'measured GiB':>14}{'plan/measured':>15}",
+        row("weights", t["weights"], got.weights),
+        row("gradients (float32 main_grad)", t["gradients"], got.gradients),
+        row("master weights + optimizer state on the GPU", t["master weights"] + t["optimizer state"], optimizer),
+        row("activations + logits (peak of fwd/bwd)", t["activations"] + t["logits"], transient),
+        row("  activations", t["activations"], None),
+        row("  logits", t["logits"], None),
+        row("  kept through the forward", None, got.kept_after_forward),
+        row("  forward peak", None, got.forward_peak),
+        row("  backward peak", None, got.backward_peak),
+        row("optimizer step transient (no plan term)", None, got.step_transient),
+        row("runtime (CUDA context, NCCL, fragmentation)", t["runtime"], None if got.outside_allocator is None
+            else got.outside_allocator + max(got.reserved_peak - got.step_peak, 0)),
+        row("total seen by the allocator (all but runtime)", plan.allocator_total, got.step_peak),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- fused attention
+
+def fused_core_attention_class():
+    """Megatron's core-attention interface over ``torch.nn.functional.scaled_dot_product_attention``."""
+    import torch
+
+    class FusedCoreAttention(torch.nn.Module):
+        """Drop-in for Megatron's local ``DotProductAttention`` (``[sq, b, np, hn]`` query, ``[sk, b, ng, hn]``
+        key/value, ``[sq, b, np * hn]`` out; a boolean mask marks masked positions True, None means causal), but
+        fused: no S x S matrix is kept. Key/value heads repeat per query group as Megatron's does; on CUDA the
+        math backend (which would materialise the scores) is excluded, so an ineligible call fails loudly."""
+
+        def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type=None,
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None, **_):
+            super().__init__()
+            self.config = config
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **_):
+            if attention_bias is not None or packed_seq_params is not None:
+                raise NotImplementedError("FusedCoreAttention: no attention bias or packed sequences")
+            sq, b, heads, hn = query.shape
+            groups = key.shape[2]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
+            if groups != heads:
+                k = k.repeat_interleave(heads // groups, dim=1)
+                v = v.repeat_interleave(heads // groups, dim=1)
+            scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(hn)
+            kwargs = {"is_causal": True} if attention_mask is None else {"attn_mask": ~attention_mask.bool()}
+            if q.is_cuda:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                fused = [getattr(SDPBackend, n) for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION",
+                                                          "CUDNN_ATTENTION") if hasattr(SDPBackend, n)]
+                with sdpa_kernel(fused):
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, **kwargs)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, **kwargs)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    return FusedCoreAttention
+
+
+def with_core_attention(spec, core_attention):
+    """A copy of a transformer-layer spec whose self-attention uses ``core_attention``."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
+
+
+def use_fused_attention() -> None:
+    """Route ``r3rl.train.model.build_gpt``'s layer spec through ``with_core_attention`` (this process only)."""
+    from r3rl.train import model as model_lib
+
+    if getattr(model_lib.layer_spec, "_fused_probe", False):
+        return
+    original, fused = model_lib.layer_spec, fused_core_attention_class()
+
+    def layer_spec(config):
+        return with_core_attention(original(config), fused)
+
+    layer_spec._fused_probe = True
+    model_lib.layer_spec = layer_spec
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+
+class CudaMeter:
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        torch.cuda.synchronize()
+        self.base = torch.cuda.memory_allocated()
+
+    def now(self) -> int:
+        self.torch.cuda.synchronize()
+        return self.torch.cuda.memory_allocated() - self.base
+
+    def reset(self) -> None:
+        self.torch.cuda.synchronize()
+        self.torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int:
+        self.torch.cuda.synchronize()
+        return self.torch.cuda.max_memory_allocated() - self.base
+
+    def peak_reserved(self) -> int:
+        return self.torch.cuda.max_memory_reserved() - self.base
+
+    def outside_allocator(self) -> int:
+        free, total = self.torch.cuda.mem_get_info()
+        return total - free - self.torch.cuda.memory_reserved()
+
+
+class NullMeter:
+    """--cpu-smoke: the code path only."""
+
+    def now(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    def peak(self) -> int:
+        return 0
+
+    def peak_reserved(self) -> int:
+        return 0
+
+    def outside_allocator(self) -> None:
+        return None
+
+
+def run_step(cfg, meter, fused_attention: bool) -> Measured:
+    """Build the slice with r3rl's code and run one training step as ``MegatronTrainer`` does, metering each phase."""
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import finalize_model_grads
+
+    from r3rl.train import cpu_compat, distributed, grpo, optim
+    from r3rl.train import model as model_lib
+
+    t = cfg.parallelism.trainer
+    info = distributed.init(distributed.Layout(t.tensor_parallel, t.pipeline_parallel, t.expert_parallel,
+                                               t.context_parallel, t.expert_tensor_parallel), seed=cfg.run.seed)
+    got = Measured()
+    start = time.perf_counter()
+    try:
+        device = info.device
+        settings = model_lib.model_settings(cfg, replay=False)  # replay adds only the [T, k] routes
+        meter.reset()
+        before_build = meter.now()
+        bare = model_lib.build_gpt(settings, device)
+        got.weights = meter.now() - before_build
+        kinds = {type(m).__name__ for m in bare.modules()}
+        if fused_attention and "FusedCoreAttention" not in kinds:
+            raise RuntimeError("the slice was built without the fused core attention: r3rl.train.model.build_gpt no "
+                               "longer takes its spec from r3rl.train.model.layer_spec")
+        model = model_lib.wrap_ddp(bare, settings)
+        got.gradients = meter.now() - before_build - got.weights
+        optimizer = optim.build_optimizer(cfg, model, settings.dtype, settings.use_distributed_optimizer)
+        resident = meter.now()
+        got.optimizer_build = resident - before_build - got.weights - got.gradients
+        got.build_peak = meter.peak()
+
+        plan = plan_side(cfg)
+        samples, seq = plan.batch
+        m, alg = cfg.model, cfg.algorithm
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        tokens = torch.randint(0, m.vocab_size, (samples, seq), generator=gen).to(device)
+        labels = torch.randint(0, m.vocab_size, (samples, seq), generator=gen).to(device)
+        position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(samples, seq)
+        advantages = torch.linspace(-1, 1, samples * seq, device=device).view(samples, seq)
+        loss_mask = torch.ones(samples, seq, device=device)
+        mask = cpu_compat.attention_mask(seq, device)
+
+        model.train()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        resident = meter.now()
+        meter.reset()
+        output = model(tokens, position_ids, mask)
+        token_lp = -tensor_parallel.vocab_parallel_cross_entropy(output.float(), labels)
+        del output
+        terms = grpo.policy_loss(token_lp, token_lp.detach(), advantages, loss_mask,
+                                 clip_low=alg.clip_eps_low, clip_high=alg.clip_eps_high)
+        got.kept_after_forward = meter.now() - resident
+        got.forward_peak = meter.peak() - resident
+        meter.reset()
+        terms.loss.backward()
+        num_tokens = terms.tokens.to(device, torch.int)
+        got.loss = float(terms.loss.detach()) / max(float(terms.tokens), 1.0)
+        del terms, token_lp
+        finalize_model_grads([model], num_tokens=num_tokens)
+        got.backward_peak = meter.peak() - resident
+        got.reserved_peak = meter.peak_reserved()
+        fwd_bwd_peak = resident + max(got.forward_peak, got.backward_peak)
+
+        before_step = meter.now()
+        meter.reset()
+        optimizer.set_lr(cfg.trainer.lr)
+        ok, got.grad_norm = optimizer.step()
+        if not ok:
+            raise RuntimeError("the optimizer skipped the step (non-finite gradients?)")
+        got.step_transient = meter.peak() - before_step
+        got.optimizer_first_step = meter.now() - before_step
+        got.step_peak = max(fwd_bwd_peak, meter.peak())
+        got.reserved_peak = max(got.reserved_peak, meter.peak_reserved())
+        got.outside_allocator = meter.outside_allocator()
+    finally:
+        got.seconds = time.perf_counter() - start
+        distributed.release()
+    return got
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2, help="decoder layers of the slice (default 2)")
+    p.add_argument("--plan-only", action="store_true", help="print the plan side only (no GPU needed)")
+    p.add_argument("--te", choices=("auto", "yes", "no"), default="auto",
+                   help="--plan-only: plan as with TransformerEngine or without (auto: whether it is installed)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="development: a tiny slice through the same code on the CPU (no memory figures)")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for the slice")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    say = lambda *a: print("gpu_memory_probe:", *a, flush=True)  # noqa: E731
+
+    if args.plan_only:
+        te = have_transformer_engine_installed() if args.te == "auto" else args.te == "yes"
+        cfg = compose_slice(args.layers, te, args.overrides)
+        plan = plan_side(cfg)
+        say(describe(cfg, plan, te))
+        print("\n".join(plan_rows(plan)))
+        print(f"memory plan: {gib(plan.allocator_total)} GiB seen by the allocator (+ {gib(plan.terms['runtime'])} "
+              "GiB runtime); no measurement (--plan-only)")
+        return 0
+
+    import torch
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        say("no CUDA GPU visible: nothing measured (--plan-only prints the plan side anywhere)")
+        return NO_CUDA_EXIT
+
+    warnings.simplefilter("ignore")  # Megatron's deprecation notices per layer, TE/Apex missing (named below)
+    from r3rl.train import te_fallback
+
+    te = te_fallback.have_transformer_engine()
+    extra = (CPU_SMOKE_MODEL if args.cpu_smoke else []) + list(args.overrides)  # the command line wins
+    cfg = compose_slice(args.layers, te, extra)
+    plan = plan_side(cfg)
+    say(describe(cfg, plan, te))
+    if te:
+        say("attention: TransformerEngine's fused attention (r3rl's spec as is)")
+    else:
+        use_fused_attention()
+        say("attention: torch scaled_dot_product_attention (fused) in place of Megatron's local DotProductAttention "
+            "(no TransformerEngine; the plan assumes fused attention)")
+    if args.cpu_smoke:
+        got = run_step(cfg, NullMeter(), fused_attention=not te)
+        say(f"cpu smoke: one step ran in {got.seconds:.1f}s, loss {got.loss:.4f}, grad norm {got.grad_norm:.4f}; "
+            "no memory measured on a CPU")
+        return 0 if math.isfinite(got.loss) and math.isfinite(got.grad_norm) else 1
+
+    say(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    got = run_step(cfg, CudaMeter(), fused_attention=not te)
+    print("\n".join(comparison_rows(plan, got)))
+    ratio = plan.allocator_total / got.step_peak
+    low, high = RATIO_RANGE
+    verdict = "within" if low <= ratio <= high else "OUTSIDE"
+    say(f"one step in {got.seconds:.1f}s (loss {got.loss:.4f}, grad norm {got.grad_norm:.3f}); build peak "
+        f"{gib(got.build_peak)} GiB; plan/measured {ratio:.2f} {verdict} [{low}, {high}]")
+    print(f"memory plan/measured: {ratio:.2f}", flush=True)
+    return 0 if verdict == "within" else OUTSIDE_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
