@@ -26,9 +26,11 @@ from readme_figures import write_block  # noqa: E402
 
 REPLAYS = ("none", "r2", "r3")
 CORRECTIONS = ("none", "tis")
-# small steps: the grid is about the mismatch of one batch, not about learning
+# small steps: the grid is about the mismatch of one batch, not about learning. The tiny model as initialised (no
+# SFT warm start): its flat distributions show the routing mismatch that the warm-started model's confident ones
+# hide (`python bench/replay_grid.py warm_start.enabled=true` gives the other figures)
 GRID = ("run.num_steps=4", "run.eval_every=0", "algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4",
-        "algorithm.global_batch_size=16")
+        "algorithm.global_batch_size=16", "warm_start.enabled=false")
 BEGIN = "<!-- replay_grid:begin (written by bench/replay_grid.py --write-readme; do not edit) -->"
 END = "<!-- replay_grid:end -->"
 # (column, key, digits): each figure's mean over the run's steps
@@ -73,8 +75,8 @@ def table(histories: dict[tuple[str, str], list[dict]], steps: int) -> str:
     cap = compose(["parallelism=cpu", "correction=tis"]).correction.ratio_high
     lines = [
         BEGIN,
-        f"`python bench/replay_grid.py` ({steps} steps of 16 samples = 4 prompts x 4 per run, the default CPU model "
-        f"after its SFT warm start, bf16 engine vs fp32 trainer, same seeds; mean over the steps ± the standard "
+        f"`python bench/replay_grid.py` ({steps} steps of 16 samples = 4 prompts x 4 per run, the tiny model as "
+        f"initialised (no warm start), bf16 engine vs fp32 trainer, same seeds; mean over the steps ± the standard "
         f"error of that mean; C = `correction.ratio_high` = {cap:g}):",
         "",
         "| replay | correction | " + " | ".join(c for c, _, _ in COLUMNS) + " | replay removes (paired) |",
@@ -92,7 +94,7 @@ def table(histories: dict[tuple[str, str], list[dict]], steps: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="outputs/replay_grid")
+    parser.add_argument("--out", default="outputs/replay_grid_init")
     parser.add_argument("--write-readme", action="store_true", help="replace the README block and the picture")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()

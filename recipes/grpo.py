@@ -22,12 +22,12 @@ from r3rl.config.modes import replay_mode, unreplayed_pass_due
 from r3rl.config.schema import R3RLConfig
 from r3rl.data.arithmetic import ensure_prompts
 from r3rl.data.dataset import PromptDataset
-from r3rl.data.reward import shaped_math_reward
+from r3rl.data.reward import grade
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import EngineError
 from r3rl.rollout.store import save_rollout
 from r3rl.sample import Sample, SampleStatus
-from r3rl.train import correction
+from r3rl.train import correction, dapo
 from r3rl.train.grpo import group_advantages
 from recipes import common
 from recipes.common import StopRequested, console
@@ -60,7 +60,9 @@ class GRPORecipe(common.Recipe):
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
         cfg = self.cfg
-        batches = self.dataset.batches(cfg.algorithm.rollout_batch_size)
+        # one stream of prompt batches: dynamic sampling draws its extra rounds from it, so a checkpoint's data state
+        # counts every prompt a step used
+        self.batches = batches = self.dataset.batches(cfg.algorithm.rollout_batch_size)
         self.eval_before_training()
         with Progress(TextColumn("[bold]GRPO step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
@@ -90,15 +92,11 @@ class GRPORecipe(common.Recipe):
         if dead := self.engines.dead():
             raise EngineError(f"engine(s) {', '.join(dead)} died before step {step}; see {self.run_dir / 'logs'}")
 
-        # 1. generate
+        # 1. generate and grade (DAPO: groups of equal outcome dropped and refilled, overlong responses penalised)
         t = time.perf_counter()
-        samples = self.generate(step, prompts)
+        samples, rollout_stats = self.rollout(step, prompts)
+        rewards = [s.reward for s in samples]
         timings["rollout"] = time.perf_counter() - t
-        rewards = [shaped_math_reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.label,
-                                      cfg.data.partial_credit)
-                   for s in samples]
-        for s, r in zip(samples, rewards):
-            s.reward = r
         if cfg.debug.save_rollout:
             save_rollout(samples, Path(cfg.debug.save_rollout) / f"step_{step:06d}.npz")
         batch = ray.put(samples)
@@ -167,6 +165,7 @@ class GRPORecipe(common.Recipe):
             for key in (M.LOGPROB_ABS_DIFF_PAIRED_DELTA, M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR):
                 values.pop(key, None)
         values.update(corrected.metrics)
+        values.update(rollout_stats)
         values.update({f"train/{k}": float(v) for k, v in train_out.items()
                        if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
         if self.colocated:  # what the trainer still held on its GPUs when the engines woke (0 on a CPU)
@@ -176,10 +175,51 @@ class GRPORecipe(common.Recipe):
             values[M.R2_REPLAYED_ROWS] = float(train_out["replayed_rows"])
         self.log_with_eval(step, values)
 
-    def generate(self, step: int, prompts) -> list[Sample]:
+    def rollout(self, step: int, prompts) -> tuple[list[Sample], dict[str, float]]:
+        """The step's graded samples (``Sample.reward``) and the rollout-side counters. With
+        ``algorithm.dynamic_sampling`` the groups whose samples are all right or all wrong (raw accuracy: a grade of 1
+        is right, partial credit never reaches it) are dropped and further prompt batches generated
+        (``r3rl.train.dapo``); ``algorithm.overlong_buffer`` then lowers the rewards of responses near max_tokens."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+
+        def one_round(r: int) -> list[Sample]:
+            samples = self.generate(step, prompts if r == 0 else next(self.batches), round_=r)
+            for s in samples:
+                text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+                s.reward = grade(cfg.reward, text, s.label, cfg.data.partial_credit)
+                s.extra["correct"] = float(s.reward >= 1.0)
+            return samples
+
+        stats: dict[str, float] = {}
+        if alg.dynamic_sampling:
+            filled = dapo.fill_with_mixed_groups(one_round, lambda s: s.extra["correct"], alg.rollout_batch_size,
+                                                 alg.max_generation_rounds)
+            samples = filled.samples
+            stats = {M.FILTERED_GROUPS: float(filled.filtered_groups), M.GENERATION_ROUNDS: float(filled.rounds),
+                     M.PADDED_GROUPS: float(filled.padded_groups)}
+            if filled.padded_groups:
+                console.print(f"[yellow]step {step}: {filled.padded_groups} of {alg.rollout_batch_size} groups have "
+                              f"equal outcomes after {filled.rounds} generation rounds "
+                              f"(algorithm.max_generation_rounds); they train with zero advantage[/]")
+        else:
+            samples = one_round(0)
+        if alg.overlong_buffer:
+            penalty = dapo.overlong_penalty([s.response_length for s in samples], cfg.rollout.sampling.max_tokens,
+                                            alg.overlong_buffer, alg.overlong_penalty_factor)
+            for s, p in zip(samples, penalty):
+                s.reward += float(p)
+            stats[M.OVERLONG_PENALTY_MEAN] = float(np.mean(penalty))
+        return samples, stats
+
+    def generate(self, step: int, prompts, round_: int = 0) -> list[Sample]:
+        """``n_samples_per_prompt`` samples of each prompt; a dynamic-sampling round after the first draws from other
+        seeds (the request seeds follow the step and the sample's index)."""
         cfg = self.cfg
+        sampling = cfg.rollout.sampling
+        if round_:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + round_ * 1_000_003)
         samples = asyncio.run(self.client.generate(
-            [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, cfg.rollout.sampling,
+            [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, sampling,
             step=step, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in prompts],
         ))
         aborted = [s.index for s in samples if s.status == SampleStatus.ABORTED]

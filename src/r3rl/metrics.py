@@ -130,6 +130,12 @@ REWARD_STD = "rollout/reward_std"
 REWARD_MIN = "rollout/reward_min"
 REWARD_MAX = "rollout/reward_max"
 # standard error of rollout/reward_mean, clustered by prompt (a group's samples share their prompt's difficulty)
+# DAPO (r3rl.train.dapo): groups dropped for equal raw outcomes, generation rounds of the step, dropped groups put
+# back when algorithm.max_generation_rounds ran out, and the mean overlong penalty
+FILTERED_GROUPS = "rollout/filtered_groups"
+GENERATION_ROUNDS = "rollout/generation_rounds"
+PADDED_GROUPS = "rollout/padded_groups"
+OVERLONG_PENALTY_MEAN = "rollout/overlong_penalty_mean"
 REWARD_STDERR = "rollout/reward_stderr"
 RESPONSE_LENGTH_MEAN = "rollout/response_length_mean"
 RESPONSE_LENGTH_MIN = "rollout/response_length_min"

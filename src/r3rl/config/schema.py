@@ -171,6 +171,12 @@ class GRPOConfig(Frozen):
     normalize_advantage_std: bool = True
     use_kl_loss: bool = False
     kl_coef: float = 0.0
+    # DAPO (r3rl.train.dapo): drop groups of all-equal raw accuracy and generate more prompts until the batch is full
+    dynamic_sampling: bool = False
+    max_generation_rounds: int = 10
+    # DAPO's soft overlong punishment over the last overlong_buffer tokens before max_tokens (0: off)
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass
@@ -220,6 +226,8 @@ class CorrectionConfig(Frozen):
 class DataConfig(Frozen):
     name: str = MISSING
     path: str = MISSING
+    # how data.path is read: auto (from the path), jsonl, parquet or hf_disk (r3rl.data.formats.FORMATS)
+    format: str = "auto"
     generate_if_missing: bool = False
     num_generated_prompts: int = 512
     prompt_key: str = "prompt"
@@ -240,6 +248,14 @@ class DataConfig(Frozen):
 
 
 @dataclass
+class RewardConfig(Frozen):
+    # grader of the training reward (r3rl.data.reward.GRADERS): exact | boxed_exact | math_verify
+    name: str = "boxed_exact"
+    # wall-clock limit of one response's grading; a response that exceeds it scores 0
+    timeout_s: float = 5.0
+
+
+@dataclass
 class EvalSetConfig(Frozen):
     path: str = MISSING
     generate_if_missing: bool = False
@@ -251,7 +267,7 @@ class EvalSetConfig(Frozen):
     n_samples_per_prompt: int = 4
     # pass@k's k, from the n samples by the unbiased estimator (None: n, where pass@n is "any correct")
     k: Optional[int] = None
-    reward: str = "math"
+    reward: str = "boxed_exact"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -314,6 +330,8 @@ class R3RLConfig(Frozen):
     correction: CorrectionConfig = MISSING
     data: DataConfig = MISSING
     eval: EvalConfig = MISSING
+    # a group (conf/reward/) like the others; the default keeps configs composed without it valid
+    reward: RewardConfig = field(default_factory=RewardConfig)
     logger: LoggerConfig = MISSING
     ray: RayConfig = field(default_factory=RayConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -332,6 +350,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "correction": CorrectionConfig,
     "data": DataConfig,
     "eval": EvalConfig,
+    "reward": RewardConfig,
     "logger": LoggerConfig,
     "recipe": RecipeConfig,
 }

@@ -272,6 +272,12 @@ def validate(cfg: R3RLConfig) -> None:
     check(0 <= alg.clip_eps_low < 1, "algorithm.clip_eps_low", f"must be in [0, 1), got {alg.clip_eps_low}")
     check(alg.clip_eps_high >= 0, "algorithm.clip_eps_high", f"must be >= 0, got {alg.clip_eps_high}")
     check(not alg.use_kl_loss or alg.kl_coef > 0, "algorithm.kl_coef", "must be > 0 when algorithm.use_kl_loss=true")
+    check(alg.max_generation_rounds >= 1, "algorithm.max_generation_rounds",
+          f"must be >= 1, got {alg.max_generation_rounds}")
+    check(0 <= alg.overlong_buffer < ro.sampling.max_tokens, "algorithm.overlong_buffer",
+          f"must be in [0, rollout.sampling.max_tokens={ro.sampling.max_tokens}), got {alg.overlong_buffer}")
+    check(alg.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor",
+          f"must be >= 0, got {alg.overlong_penalty_factor}")
 
     # recipe: grpo (the default) or sft, and SFT's own batch and data
     check(cfg.recipe.name in RECIPE_NAMES, "recipe", f"must be one of {RECIPE_NAMES}, got {cfg.recipe.name!r}")
@@ -310,6 +316,18 @@ def validate(cfg: R3RLConfig) -> None:
     check(cfg.data.max_operand >= 1, "data.max_operand", f"must be >= 1, got {cfg.data.max_operand}")
     check(0.0 <= cfg.data.partial_credit < 1.0, "data.partial_credit",
           f"must be in [0, 1) so a right answer always scores higher, got {cfg.data.partial_credit}")
+    problems.extend(reward_problems(cfg))
+    from r3rl.data.dataset import FORMATS, prompt_data_problems
+    from r3rl.data.formats import detect_format
+
+    check(cfg.data.format in FORMATS, "data.format", f"must be one of {FORMATS}, got {cfg.data.format!r}")
+    if cfg.data.format in FORMATS:
+        if cfg.recipe.name == "sft":
+            fmt = detect_format(cfg.data.path, cfg.data.format)
+            check(fmt == "jsonl", "data.format", f"recipe=sft reads JSONL records only; {cfg.data.path} is read as "
+                                                 f"{fmt} (data.format={cfg.data.format})")
+        else:  # a bad record, a missing column or an empty label, named by file, line or row and key
+            problems.extend(prompt_data_problems(cfg.data))
     check(cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
           f"must be one of {WANDB_MODES}, got {cfg.logger.wandb.mode!r}")
     check(cfg.run.num_steps >= 1, "run.num_steps", "must be >= 1")
@@ -335,6 +353,29 @@ def validate(cfg: R3RLConfig) -> None:
     problems.extend(memory_problems(cfg))
     if problems:
         raise ConfigError(problems)
+
+
+def reward_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """(key, reason) for a training reward (``reward``) that cannot grade: an unknown grader, a timeout that is no
+    limit, partial credit from a grader that has none, math-verify not installed."""
+    import importlib.util
+
+    from r3rl.data.reward import GRADERS
+
+    rw, problems = cfg.reward, []
+    if rw.name not in GRADERS:
+        problems.append(("reward.name", f"must be one of {sorted(GRADERS)} (reward=<name>), got {rw.name!r}"))
+    elif cfg.data.partial_credit > 0 and GRADERS[rw.name].answer is None:
+        problems.append(("data.partial_credit", f"must be 0 with reward={rw.name}, which grades right or wrong only "
+                                                f"(partial credit needs reward=boxed_exact or exact), got "
+                                                f"{cfg.data.partial_credit}"))
+    if not rw.timeout_s > 0:
+        problems.append(("reward.timeout_s", f"must be > 0 (seconds per response), got {rw.timeout_s}"))
+    named = {f"eval.sets.{n}.reward": s.reward for n, s in cfg.eval.sets.items()}
+    for key, name in {"reward.name": rw.name, **named}.items():
+        if name == "math_verify" and importlib.util.find_spec("math_verify") is None:
+            problems.append((key, "math_verify needs the math-verify package: pip install 'math-verify[antlr4_9_3]'"))
+    return problems
 
 
 # model.<key> -> the HF config.json field of a Qwen3-MoE checkpoint that must agree with it

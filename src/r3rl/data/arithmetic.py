@@ -151,7 +151,7 @@ def ensure_generated(path: str | os.PathLike, fingerprint: dict, make, *, regene
     (its marker file beside it); both only when ``regenerate`` allows, else a missing file raises FileNotFoundError
     with ``missing``. A file r3rl did not make is used as it is, never overwritten."""
     path = Path(path)
-    if not path.is_file() and not regenerate:
+    if not path.exists() and not regenerate:  # a file, or an HF save_to_disk folder
         raise FileNotFoundError(missing)
     if used_as_is(path, fingerprint, regenerate):
         return path
@@ -168,7 +168,7 @@ def used_as_is(path: str | os.PathLike, fingerprint: dict, regenerate: bool = Tr
     """Whether ``ensure_generated`` would use the file at ``path`` as it is (validation reads that file, and draws
     what would be written otherwise, without writing)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         return False
     marker = fingerprint_path(path)
     if not marker.is_file() or not regenerate:

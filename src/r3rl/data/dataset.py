@@ -1,9 +1,12 @@
-"""Prompt datasets read from JSONL, tokenised once, and served in resumable shuffled batches.
+"""Prompt datasets read from JSONL, parquet or a ``datasets`` folder, tokenised once, and served in resumable shuffled
+batches.
 
-One JSON object per line, with the prompt under ``data.prompt_key`` and the reference answer under
-``data.label_key`` (dapo-math-17k uses ``prompt`` and ``label``). A prompt is either text or a list of chat
-messages (``[{"role": "user", "content": ...}]``); with ``data.apply_chat_template`` it is wrapped in the
-tokenizer's chat template with the assistant turn opened.
+A record holds the prompt under ``data.prompt_key`` and the reference answer under ``data.label_key`` (slime's
+dapo-math-17k JSONL uses ``prompt`` and ``label``; verl's parquet ``prompt`` and ``reward_model.ground_truth``, a
+dotted key reaching into a struct). ``data.format`` (``r3rl.data.formats``: jsonl, parquet, hf_disk, or auto from the
+path) says how the file is read. A prompt is either text or a list of chat messages
+(``[{"role": "user", "content": ...}]``); with ``data.apply_chat_template`` it is wrapped in the tokenizer's chat
+template with the assistant turn opened.
 
 The sampler is a pure function of (seed, epoch, position): epoch ``e`` is the permutation drawn from
 ``seed`` and ``e``, so a checkpoint needs only ``{"epoch", "position"}`` to continue at the exact prompt, also
@@ -12,7 +15,6 @@ when it was saved right at the end of an epoch (the state then already points at
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,18 +24,19 @@ from typing import Any
 import numpy as np
 
 from r3rl.config.schema import DataConfig
+from r3rl.data.formats import (FORMATS, MISSING, DataError, detect_format, jsonl_objects, lookup, records,
+                               table_value, where)
 
 log = logging.getLogger(__name__)
 
-
-class DataError(ValueError):
-    """A prompt file that cannot be used; the message names the file, the line and the config key to check."""
+__all__ = ["FORMATS", "DataError", "Prompt", "PromptDataset", "jsonl_objects", "prompt_data_problems",
+           "read_prompt_rows"]
 
 
 @dataclass(frozen=True, eq=False)  # eq would compare the id arrays with ==, which is ambiguous
 class Prompt:
     index: int  # position in the dataset (after too-long prompts are dropped)
-    line: int  # 1-based line of the JSONL file, for messages that point back at the data
+    line: int  # line of a JSONL file (from 1) or row of a table (from 0), for messages that point at the data
     text: str  # what the engine sees: the chat-templated prompt, or the raw prompt
     prompt_ids: np.ndarray  # int32 [P]
     label: str
@@ -52,42 +55,55 @@ def _messages(value: Any, where: str, key: str, config_key: str) -> list[dict[st
     )
 
 
-def jsonl_objects(path: str | Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
-    """(line number, ``file:line``, object) of every non-blank line of a JSONL file; a line that is not a JSON
-    object raises DataError naming it."""
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, where, obj
-
-
-def read_prompt_rows(path: Path, pkey: str, lkey: str,
-                     config_key: str = "data") -> list[tuple[int, list[dict[str, str]] | str, str]]:
-    """(line, prompt, label) of every record of a JSONL prompt file; a bad record raises DataError naming the file,
-    the line and the ``<config_key>.*_key`` to check. Needs no tokenizer, so configs are checked before launch."""
+def read_prompt_rows(path: str | Path, pkey: str, lkey: str, config_key: str = "data",
+                     fmt: str = "auto") -> list[tuple[int, list[dict[str, str]] | str, str]]:
+    """(line or row, prompt, label) of every record of a prompt file in format ``fmt`` (``data.format``; auto:
+    from the path); a bad record raises DataError naming the file, the line or row and the ``<config_key>.*_key``
+    to check. Needs no tokenizer, so configs are checked before launch."""
+    fmt = detect_format(path, fmt, config_key)
+    keys = ((pkey, f"{config_key}.prompt_key"), (lkey, f"{config_key}.label_key"))
     rows = []
-    for lineno, where, obj in jsonl_objects(path):
-        for key, cfg_key in ((pkey, f"{config_key}.prompt_key"), (lkey, f"{config_key}.label_key")):
-            if key not in obj:
+    for lineno, here, obj in records(path, fmt, keys, config_key):
+        for key, cfg_key in keys:
+            if lookup(obj, key) is MISSING:
                 raise DataError(
-                    f"{where}: no key '{key}' ({cfg_key}={key}); the line has {sorted(obj)}. "
-                    f"Set {cfg_key} to the key that holds it."
+                    f"{here}: no key '{key}' ({cfg_key}={key}); the {'line' if fmt == 'jsonl' else 'row'} has "
+                    f"{sorted(obj)}. Set {cfg_key} to the key that holds it."
                 )
-        label = obj[lkey]
+        label = lookup(obj, lkey)
         if isinstance(label, (dict, list)) or label is None:
-            raise DataError(f"{where}: '{lkey}' must be a string or a number ({config_key}.label_key={lkey})")
-        rows.append((lineno, _messages(obj[pkey], where, pkey, config_key), str(label)))
+            got = "null" if label is None else type(label).__name__
+            raise DataError(f"{here}: '{lkey}' must be a string or a number, got {got} "
+                            f"({config_key}.label_key={lkey})")
+        label = str(label)
+        if not label.strip():
+            raise DataError(f"{here}: '{lkey}' is empty ({config_key}.label_key={lkey})")
+        prompt = lookup(obj, pkey)
+        if fmt != "jsonl":
+            prompt = table_value(prompt)
+        rows.append((lineno, _messages(prompt, here, pkey, config_key), label))
     if not rows:
         raise DataError(f"{path}: no prompts (the file is empty)")
     return rows
+
+
+def prompt_data_problems(data_cfg: DataConfig) -> list[tuple[str, str]]:
+    """(key, reason) for a GRPO prompt file that cannot be used: a bad record, a missing column or an empty label,
+    named by file, line or row and key. A file that is not there yet (generated at setup, or mounted later) and one
+    r3rl will write afresh are not read."""
+    path = Path(data_cfg.path)
+    if not path.exists():
+        return []
+    if path.is_file() and data_cfg.generate_if_missing:
+        from r3rl.data.arithmetic import prompts_fingerprint, used_as_is
+
+        if not used_as_is(path, prompts_fingerprint(data_cfg)):
+            return []
+    try:
+        read_prompt_rows(path, data_cfg.prompt_key, data_cfg.label_key, fmt=data_cfg.format)
+    except (DataError, UnicodeDecodeError) as err:
+        return [("data.path", str(err))]
+    return []
 
 
 class PromptDataset:
@@ -106,10 +122,11 @@ class PromptDataset:
     # -- loading ---------------------------------------------------------------------------------------------------
 
     def _read(self) -> list[tuple[int, list[dict[str, str]] | str, str]]:
-        if not self.path.is_file():
+        if not self.path.exists():
             raise FileNotFoundError(f"{self.config_key}.path={self.cfg.path}: no such file (r3rl.data.ensure_prompts "
                                     f"generates the arithmetic set when data.generate_if_missing=true)")
-        return read_prompt_rows(self.path, self.cfg.prompt_key, self.cfg.label_key, self.config_key)
+        self.format = detect_format(self.path, self.cfg.format, self.config_key)
+        return read_prompt_rows(self.path, self.cfg.prompt_key, self.cfg.label_key, self.config_key, self.format)
 
     def _render(self, lineno: int, prompt: list[dict[str, str]] | str) -> str:
         if self.cfg.apply_chat_template:
@@ -119,8 +136,9 @@ class PromptDataset:
                                 f"set data.apply_chat_template=false to use {self.path} as raw text")
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not isinstance(prompt, str):
-            raise DataError(f"{self.path}:{lineno}: the prompt is a list of chat messages; set "
-                            f"data.apply_chat_template=true to render it")
+            here = where(self.path, getattr(self, "format", "jsonl"), lineno)
+            raise DataError(f"{here}: the prompt is a list of chat messages; set data.apply_chat_template=true to "
+                            f"render it")
         return prompt
 
     def _load(self) -> list[Prompt]:

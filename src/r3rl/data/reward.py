@@ -1,15 +1,41 @@
-"""Math reward: 1.0 when the response's final answer equals the label, else 0.0.
+"""Rewards: the graders ``reward=`` names (``GRADERS``), and ``grade``, which runs one under a wall-clock deadline.
 
-The final answer is the content of the last complete ``\\boxed{...}`` (braces may nest, as in
-``\\boxed{\\frac{1}{2}}``); without one, the last number in the text. Answer and label compare as exact rationals
-when both parse (``0.5`` equals ``1/2`` and ``\\frac{1}{2}``; ``1,000`` equals ``1000``), else as normalised text.
+- ``boxed_exact`` (``math_reward``, the generated arithmetic task's reward): 1.0 when the response's final answer
+  equals the label, else 0.0. The final answer is the content of the last complete ``\\boxed{...}`` (braces may
+  nest, as in ``\\boxed{\\frac{1}{2}}``); without one, the last number in the text. Answer and label compare as
+  exact rationals when both parse (``0.5`` equals ``1/2`` and ``\\frac{1}{2}``; ``1,000`` equals ``1000``), else as
+  normalised text.
+- ``exact``: the whole response, normalised the same way (``$``, ``\\text{}``, spaces, a final period), equals the
+  label: for sets whose responses are the bare answer.
+- ``math_verify``: Hugging Face's math-verify (``math_verify.parse`` and ``verify``) on the response and the label
+  (boxed, so a bare ``\\frac{1}{2}`` label parses as LaTeX): symbolic and numeric equality, sets, intervals, units,
+  ``\\dfrac`` and the like. What it does not do keeps ``boxed_exact`` for the arithmetic task: several boxes are one
+  set to it (not "the last box counts"), a box cut off by the token limit is no answer to it (not a fallback to the
+  last number), and it gives no partial credit (``data.partial_credit`` needs ``exact`` or ``boxed_exact``).
+
+``grade`` bounds each response's grading by ``reward.timeout_s`` with SIGALRM (``signal.setitimer``), which only the
+main thread can take, and that is where the recipes grade (the GRPO step and the eval point, after its event loop has
+returned). math-verify's own timeouts are per parse and per comparison, in whole seconds, so a response can run
+several of them in a row; they are switched off and this one deadline covers the whole request. A response that
+exceeds it scores 0, with a warning.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 _BOXED = "\\boxed"
 # A number not glued to a word or another number on its left, so "7-5" yields "5", not "-5".
@@ -102,9 +128,141 @@ def shaped_math_reward(response_text: str, label: str | int | float, partial_cre
     score = math_reward(response_text, label)
     if score > 0.0 or partial_credit <= 0.0:
         return score
-    answer = extract_answer(response_text)
+    return _partial_credit(extract_answer(response_text), label, partial_credit)
+
+
+def _partial_credit(answer: str | None, label: str | int | float, partial_credit: float) -> float:
     a = _as_number(answer) if answer is not None else None
     b = _as_number(str(label))
     if a is None or b is None:
         return 0.0
     return partial_credit * math.exp(-abs(float(a) - float(b)) / (abs(float(b)) + 1.0))
+
+
+def exact_reward(response_text: str, label: str | int | float) -> float:
+    """1.0 when the whole response, normalised, equals ``label`` (as exact rationals when both parse), else 0.0."""
+    a, b = _as_number(response_text), _as_number(str(label))
+    if a is not None and b is not None:
+        return 1.0 if a == b else 0.0
+    na, nb = _normalise(response_text), _normalise(str(label))
+    return 1.0 if na and na == nb else 0.0
+
+
+def _load_math_verify() -> Any:
+    import math_verify
+    import math_verify.grader
+    import math_verify.parser
+
+    # its "timeout is disabled, provide your own" warning: ``grade``'s deadline is that timeout
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    return math_verify
+
+
+@functools.lru_cache(maxsize=4096)
+def _gold(label: str) -> tuple:
+    """math-verify's parse of a label (the samples of a group share it); boxed unless it holds a box already."""
+    mv = _load_math_verify()
+    text = label if "\\boxed" in label else "\\boxed{" + label + "}"
+    return tuple(mv.parse(text, parsing_timeout=None))
+
+
+def math_verify_reward(response_text: str, label: str | int | float) -> float:
+    """1.0 when math-verify finds the response's answer equal to ``label``, else 0.0. No timeout of its own: call
+    it through ``grade`` (in the main thread), whose deadline bounds parse and verify together."""
+    mv = _load_math_verify()
+    gold = _gold(str(label))
+    if not gold:
+        return 0.0
+    answer = mv.parse(response_text, parsing_timeout=None)
+    return 1.0 if answer and mv.verify(list(gold), answer, timeout_seconds=None) else 0.0
+
+
+@dataclass(frozen=True)
+class Grader:
+    """A reward ``reward.name`` (and ``eval.sets.<name>.reward``) may name."""
+
+    # 1.0 for a right response, 0.0 otherwise
+    correct: Callable[[str, Any], float]
+    # the answer ``data.partial_credit`` measures against the label; None: the grader gives no partial credit
+    answer: Callable[[str], str | None] | None
+    # work done before the deadline is armed (a first import)
+    setup: Callable[[], Any] | None = None
+    # linear in the response (regular expressions, rationals): safe to run without a deadline where none can be armed
+    linear: bool = True
+
+
+GRADERS: dict[str, Grader] = {
+    "exact": Grader(exact_reward, answer=lambda text: text),
+    "boxed_exact": Grader(math_reward, answer=extract_answer),
+    "math_verify": Grader(math_verify_reward, answer=None, setup=_load_math_verify, linear=False),
+}
+# former names: ``math`` was the only reward of eval sets, today's boxed_exact
+ALIASES = {"math": "boxed_exact"}
+
+
+def grader(name: str) -> Grader:
+    """The grader named ``name`` (or an alias of one); KeyError for an unknown name."""
+    return GRADERS[ALIASES.get(name, name)]
+
+
+class GradingTimeout(BaseException):
+    """Raised by the deadline's SIGALRM handler; a BaseException, so no ``except Exception`` of a library keeps it."""
+
+
+@contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Raise ``GradingTimeout`` in the block once ``seconds`` of wall-clock time have passed (main thread only).
+
+    The alarm repeats every 50 ms after the first, in case code in the block swallows one; the handler is disarmed
+    before the timer is cancelled and the previous SIGALRM handler comes back on the way out."""
+    armed = [True]
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        if armed[0]:
+            raise GradingTimeout(seconds)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
+        yield
+    finally:
+        while True:  # an alarm may land in here too: repeat until the timer is off and the handler inert
+            try:
+                armed[0] = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                break
+            except GradingTimeout:
+                continue
+        signal.signal(signal.SIGALRM, previous)
+
+
+def grade(reward: Any, response_text: str, label: str | int | float, partial_credit: float = 0.0) -> float:
+    """The reward of one response: grader ``reward.name`` within ``reward.timeout_s`` seconds (0.0 past them), plus
+    ``partial_credit`` for a wrong numeric answer near the label (``shaped_math_reward``'s formula, on the grader's
+    answer). ``reward`` is a ``RewardConfig`` or anything with ``name`` and ``timeout_s``.
+
+    Outside the main thread no deadline can be armed: ``exact`` and ``boxed_exact`` (regular expressions and
+    rationals, linear in the response) run without one, ``math_verify`` refuses to run."""
+    g = grader(reward.name)
+
+    def run() -> float:
+        score = g.correct(response_text, label)
+        if score > 0.0 or partial_credit <= 0.0 or g.answer is None:
+            return score
+        return _partial_credit(g.answer(response_text), label, partial_credit)
+
+    if threading.current_thread() is not threading.main_thread():
+        if not g.linear:
+            raise RuntimeError(f"reward={reward.name} grades under a SIGALRM deadline (reward.timeout_s), which only "
+                               f"the main thread can arm; grade in the main thread")
+        return run()
+    if g.setup is not None:
+        g.setup()
+    started = time.perf_counter()
+    try:
+        with deadline(reward.timeout_s):
+            return run()
+    except GradingTimeout:
+        log.warning("reward=%s: grading a response of %d characters took over reward.timeout_s=%ss (%.1fs); it "
+                    "scores 0", reward.name, len(response_text), reward.timeout_s, time.perf_counter() - started)
+        return 0.0

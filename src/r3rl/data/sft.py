@@ -67,13 +67,21 @@ def read_sft_rows(path: str | Path, cfg: DataConfig, config_key: str = "data") -
 def prompt_texts(data_cfg: DataConfig) -> set[str]:
     """The user prompts of a training file, GRPO's (prompt/label) or SFT's (prompt/response, messages), a chat's
     user turns each on its own: what an eval set must avoid."""
-    path = Path(data_cfg.path)
-    with path.open(encoding="utf-8") as f:
-        first = next((json.loads(line) for line in f if line.strip()), {})
-    if isinstance(first, dict) and data_cfg.label_key in first and data_cfg.prompt_key in first:
-        from r3rl.data.dataset import read_prompt_rows
+    from r3rl.data.dataset import read_prompt_rows
+    from r3rl.data.formats import MISSING, detect_format, lookup
 
-        prompts = [prompt for _, prompt, _ in read_prompt_rows(path, data_cfg.prompt_key, data_cfg.label_key)]
+    path = Path(data_cfg.path)
+    fmt = detect_format(path, data_cfg.format)
+    if fmt == "jsonl":  # SFT records are JSONL only: a table is a prompt file
+        with path.open(encoding="utf-8") as f:
+            first = next((json.loads(line) for line in f if line.strip()), {})
+        grpo = isinstance(first, dict) and all(lookup(first, k) is not MISSING
+                                               for k in (data_cfg.label_key, data_cfg.prompt_key))
+    else:
+        grpo = True
+    if grpo:
+        prompts = [prompt for _, prompt, _ in read_prompt_rows(path, data_cfg.prompt_key, data_cfg.label_key,
+                                                               fmt=fmt)]
     else:
         prompts = [prompt for _, prompt, _, _ in read_sft_rows(path, data_cfg)]
     return {text for prompt in prompts for text in user_texts(prompt)}

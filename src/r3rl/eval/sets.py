@@ -20,20 +20,21 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from r3rl.config.schema import DataConfig, EvalSetConfig, R3RLConfig
+from r3rl.config.schema import DataConfig, EvalSetConfig, R3RLConfig, RewardConfig
 from r3rl.data.arithmetic import (SPLITS, ProblemSpace, ensure_generated, generate_heldout, generate_problems,
                                    prompts_fingerprint, sft_fingerprint, used_as_is, write_jsonl)
 from r3rl.data.dataset import DataError, Prompt, PromptDataset, read_prompt_rows
 from r3rl.data.overlap import problem_key, problem_keys
-from r3rl.data.reward import math_reward
+from r3rl.data.reward import ALIASES, GRADERS, grade
 from r3rl.data.sft import prompt_texts
 
 log = logging.getLogger(__name__)
 
-# rewards an eval set may name; eval scores correctness only (no shaping), so pass@k has a meaning
-REWARDS: dict[str, Callable[[str, str], float]] = {"math": math_reward}
+# rewards an eval set may name: the training rewards (r3rl.data.reward.GRADERS) and ``math``, the former name of
+# boxed_exact; eval scores correctness only (no partial credit), so pass@k has a meaning
+REWARDS: tuple[str, ...] = (*GRADERS, *ALIASES)
 # a set's name becomes part of its metric keys (eval/<name>/avg@k)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -78,7 +79,7 @@ def eval_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
         check(not s.generate_if_missing or s.num_generated_prompts >= 1, f"{key}.num_generated_prompts",
               f"must be >= 1 to generate the set, got {s.num_generated_prompts}")
         path = Path(s.path)
-        if path.is_file():
+        if path.exists():
             try:
                 read_prompt_rows(path, s.prompt_key, s.label_key, key)
             except (DataError, UnicodeDecodeError) as err:
@@ -148,7 +149,7 @@ def eval_rows(name: str, s: EvalSetConfig, data: DataConfig, training: Collectio
     if s.generate_if_missing and not used_as_is(path, _heldout_fingerprint(s, data, training)):
         problems = generate_heldout(s.num_generated_prompts, s.seed, training, _heldout_space(data))
         return [(i + 1, p["prompt"], p["label"]) for i, p in enumerate(problems)]
-    if not path.is_file():
+    if not path.exists():
         return None
     return read_prompt_rows(path, s.prompt_key, s.label_key, f"eval.sets.{name}")
 
@@ -207,6 +208,7 @@ class EvalSet:
     cfg: EvalSetConfig
     prompts: list[Prompt]
     overlaps_removed: int = 0  # problems of the file left out as training problems
+    timeout_s: float = 5.0  # limit of one response's grading (the run's reward.timeout_s)
 
     @property
     def k(self) -> int:
@@ -214,7 +216,7 @@ class EvalSet:
         return self.cfg.n_samples_per_prompt if self.cfg.k is None else self.cfg.k
 
     def score(self, response_text: str, label: str) -> float:
-        return REWARDS[self.cfg.reward](response_text, label)
+        return grade(RewardConfig(name=self.cfg.reward, timeout_s=self.timeout_s), response_text, label)
 
 
 def load_sets(cfg: R3RLConfig, tokenizer: Any) -> list[EvalSet]:
@@ -237,5 +239,5 @@ def load_sets(cfg: R3RLConfig, tokenizer: Any) -> list[EvalSet]:
             raise DataError(f"eval.sets.{name}: every prompt of {path} is a training problem or too long; nothing "
                             f"is held out")
         _report(name, len(drop), len(rows))
-        out.append(EvalSet(name, s, prompts, overlaps_removed=len(drop)))
+        out.append(EvalSet(name, s, prompts, overlaps_removed=len(drop), timeout_s=cfg.reward.timeout_s))
     return out

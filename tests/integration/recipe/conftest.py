@@ -120,9 +120,12 @@ HALF_BATCH = "algorithm.global_batch_size=8"
 @pytest.fixture(scope="session")
 def r3_run(tmp_path_factory, tiny_model_dir) -> Path:
     """The default recipe (tiny MoE, R3, bf16 engine vs fp32 trainer) for 2 steps, evaluated at 0, 1 and 2, with
-    token-level TIS and two optimizer steps per rollout batch."""
+    token-level TIS, two optimizer steps per rollout batch, and DAPO's dynamic sampling (at most 2 generation rounds
+    per step) and overlong shaping."""
     run_dir = tmp_path_factory.mktemp("r3_run")
-    out = run_recipe(run_dir, "run.num_steps=2", "run.eval_every=1", "correction=tis", HALF_BATCH)
+    out = run_recipe(run_dir, "run.num_steps=2", "run.eval_every=1", "correction=tis", HALF_BATCH,
+                     "algorithm.dynamic_sampling=true", "algorithm.max_generation_rounds=2",
+                     "algorithm.overlong_buffer=4")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return run_dir
 

@@ -55,6 +55,12 @@ def test_default_recipe_logs_every_metric_every_step(r3_run):
             row[M.LOGPROB_ABS_DIFF] - row[M.LOGPROB_ABS_DIFF_NO_REPLAY], abs=1e-9)
         assert row[M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR] > 0 and M.ROUTING_FLIP_RATE_PROMPT in row
         assert "train/k3_kl" not in row  # verl's rollout_corr/k3_kl, once
+        # DAPO: the step's batch was filled from at most 2 rounds of 4 groups; groups put back only once rounds ran
+        # out; kept groups brought their routes along (the replay checks above are 0 on the regrouped batch)
+        rounds, filtered, padded = row[M.GENERATION_ROUNDS], row[M.FILTERED_GROUPS], row[M.PADDED_GROUPS]
+        assert rounds in (1, 2) and 0 <= padded <= filtered <= 4 * rounds and (padded == 0 or rounds == 2)
+        assert rounds == 1 or filtered >= 1  # a second round only when the first left the batch short
+        assert -1.0 <= row[M.OVERLONG_PENALTY_MEAN] <= 0.0
     assert {"r3:on", "replay:r3", "correction:tis"} <= set(run.tags) and run.group == "tiny_moe-cpu"
     assert not any(k.startswith("r2/") for row in run.history for k in row)
 
