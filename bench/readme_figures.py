@@ -29,10 +29,13 @@ END = "<!-- readme_figures:end -->"
 
 def run_default(out_dir: str, overrides: list[str]) -> tuple[object, list[dict[str, float]], float]:
     from r3rl.config import compose
+    from recipes import warm_start
     from recipes.grpo import GRPORecipe
 
-    # run.py's command line for `make run` on a machine without a GPU, in a folder of its own
+    # run.py's command line for `make run` on a machine without a GPU, in a folder of its own, from the same SFT warm
+    # start (run_recipe's first step; cached under data/warm_start/)
     cfg = compose(["parallelism=cpu", f"run.output_dir={out_dir}", "logger.wandb.mode=disabled", *overrides])
+    cfg = warm_start.ensure(cfg)
     recipe = GRPORecipe(cfg)
     started = time.perf_counter()
     try:
@@ -60,7 +63,8 @@ def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
         BEGIN,
         f"Default run (`make run`: {cfg.run.num_steps} steps of {samples} samples = {alg.rollout_batch_size} "
         f"prompts x {alg.n_samples_per_prompt}, at most {sampling.max_tokens} response tokens each, "
-        f"{sum(tokens) / len(tokens):.0f} response tokens per step on average; bf16 engine, fp32 trainer, fixed "
+        f"{sum(tokens) / len(tokens):.0f} response tokens per step on average; from the SFT warm start"
+        f"{'' if cfg.warm_start.enabled else ' (off here)'}; bf16 engine, fp32 trainer, fixed "
         f"seeds). `train/logprob_abs_diff` with replay and without replay on the same batch, ± the standard error "
         f"over the step's samples; replay removes = minus `train/logprob_abs_diff_paired_delta`, ± its standard "
         f"error clustered by prompt:",
