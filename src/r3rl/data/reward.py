@@ -117,21 +117,10 @@ def math_reward(response_text: str, label: str | int | float) -> float:
     return 1.0 if na and na == nb else 0.0
 
 
-def shaped_math_reward(response_text: str, label: str | int | float, partial_credit: float) -> float:
-    """``math_reward``, plus partial credit for a wrong numeric answer that lands near the label.
-
-    A wrong answer ``a`` for label ``b`` scores ``partial_credit * exp(-|a - b| / (|b| + 1))`` (< partial_credit < 1,
-    so a right answer always scores more). With ``partial_credit=0`` this is ``math_reward``. The shaping exists for
-    models that never answer right (a random tiny MoE), whose groups would otherwise all score 0 and give GRPO no
-    advantage to learn from.
-    """
-    score = math_reward(response_text, label)
-    if score > 0.0 or partial_credit <= 0.0:
-        return score
-    return _partial_credit(extract_answer(response_text), label, partial_credit)
-
-
 def _partial_credit(answer: str | None, label: str | int | float, partial_credit: float) -> float:
+    """A wrong numeric answer ``a`` for label ``b`` scores ``partial_credit * exp(-|a - b| / (|b| + 1))`` (below
+    ``partial_credit`` < 1, so a right answer always scores more). The shaping exists for models that never answer
+    right (a random tiny MoE), whose groups would otherwise all score 0 and give GRPO no advantage to learn from."""
     a = _as_number(answer) if answer is not None else None
     b = _as_number(str(label))
     if a is None or b is None:
@@ -238,7 +227,7 @@ def deadline(seconds: float) -> Iterator[None]:
 
 def grade(reward: Any, response_text: str, label: str | int | float, partial_credit: float = 0.0) -> float:
     """The reward of one response: grader ``reward.name`` within ``reward.timeout_s`` seconds (0.0 past them), plus
-    ``partial_credit`` for a wrong numeric answer near the label (``shaped_math_reward``'s formula, on the grader's
+    ``partial_credit`` for a wrong numeric answer near the label (``_partial_credit``, on the grader's
     answer). ``reward`` is a ``RewardConfig`` or anything with ``name`` and ``timeout_s``.
 
     Outside the main thread no deadline can be armed: ``exact`` and ``boxed_exact`` (regular expressions and

@@ -53,11 +53,15 @@ def test_unclosed_box_falls_back_to_the_last_number():
 
 
 def test_shaped_reward_gives_graded_partial_credit_below_a_right_answer():
-    from r3rl.data.reward import shaped_math_reward
+    """reward=boxed_exact with data.partial_credit (the GRPO step's call): a right answer 1, a near miss
+    0.1 * exp(-|13 - 12| / 13), a far one less, no number 0. Fails if the formula, its scale or its order changes."""
+    from r3rl.config.schema import RewardConfig
+    from r3rl.data.reward import grade
 
-    assert shaped_math_reward("so \\boxed{12}", "12", 0.1) == 1.0
-    near, far = shaped_math_reward("it is 13", "12", 0.1), shaped_math_reward("it is 90", "12", 0.1)
+    boxed = RewardConfig(name="boxed_exact", timeout_s=5.0)
+    assert grade(boxed, "so \\boxed{12}", "12", 0.1) == 1.0
+    near, far = grade(boxed, "it is 13", "12", 0.1), grade(boxed, "it is 90", "12", 0.1)
     assert 0.1 > near > far > 0.0
     assert near == pytest.approx(0.1 * math.exp(-1 / 13))
-    assert shaped_math_reward("no number here", "12", 0.1) == 0.0
-    assert shaped_math_reward("it is 13", "12", 0.0) == 0.0
+    assert grade(boxed, "no number here", "12", 0.1) == 0.0
+    assert grade(boxed, "it is 13", "12", 0.0) == 0.0
