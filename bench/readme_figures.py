@@ -97,10 +97,6 @@ def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
     return "\n".join(lines)
 
 
-def write_readme(path: Path, block: str) -> None:
-    write_block(path, block, BEGIN, END)
-
-
 def write_block(path: Path, block: str, begin: str, end: str) -> None:
     """Replace the text from ``begin`` to ``end`` (both lines included) with ``block``, which carries them."""
     text = path.read_text()
@@ -126,7 +122,7 @@ def main() -> None:
     if args.write_readme:
         if args.overrides:
             raise SystemExit("--write-readme quotes the default run only: drop the overrides")
-        write_readme(REPO / "README.md", block)
+        write_block(REPO / "README.md", block, BEGIN, END)
         print(f"README.md: figures replaced")
 
 

@@ -243,8 +243,9 @@ class Recipe:
             print_summary(self.history, console=Console(width=160))
         console.print(f"run folder: {self.run_dir}")
         if (checkpoint.checkpoint_root(self.run_dir) / checkpoint.LATEST).is_file():
-            console.print(f"export its weights (HF): python -m r3rl.export {self.run_dir} --out <folder>",
-                          soft_wrap=True)
+            from r3rl.export import command
+
+            console.print(f"export its weights (HF): {command(self.run_dir)}", soft_wrap=True)
         if self.plan.wandb.mode != "disabled" and self.history:
             png, html = write_comparison(read_runs(self.run_dir), self.run_dir / "plots", self.panels)
             console.print(f"W&B files: {self.run_dir / 'wandb'}\nplots: {png} and {html}\n"

@@ -35,11 +35,11 @@ def test_block_from_a_run_replaces_the_readme_block_whole(figures, make_step_met
     text = (REPO / "README.md").read_text()
     assert text.count(figures.BEGIN) == 1 and text.count(figures.END) == 1
     readme.write_text(text)
-    figures.write_readme(readme, block)
+    figures.write_block(readme, block, figures.BEGIN, figures.END)
     head, rest = text.split(figures.BEGIN)
     tail = rest.split(figures.END)[1]
     assert readme.read_text() == head + block + tail
-    figures.write_readme(readme, block)  # idempotent: the block is found again and replaced
+    figures.write_block(readme, block, figures.BEGIN, figures.END)  # idempotent: the block is found again and replaced
     assert readme.read_text() == head + block + tail
 
 
