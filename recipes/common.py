@@ -187,7 +187,8 @@ class Recipe:
         self.trainers.open_weight_transfer(self.engines.urls, backend=self.weight_sync,
                                            loopback=self.cluster.started_here,
                                            timeout_s=self.cfg.rollout.engine.request_timeout_s,
-                                           bucket_bytes=int(self.cfg.rollout.weight_sync.bucket_mb * (1 << 20)))
+                                           bucket_bytes=int(self.cfg.rollout.weight_sync.bucket_mb * (1 << 20)),
+                                           shared_memory=self.cfg.rollout.weight_sync.shared_memory)
 
     def sync_weights(self, version: int) -> None:
         """pause (colocated: wake the sleeping engines' weights only) -> start -> one broadcast per bucket into every

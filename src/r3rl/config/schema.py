@@ -125,6 +125,7 @@ class WeightSyncConfig(Frozen):
     backend: str = "auto"
     bucket_mb: float = 1024.0
     sleep_level: int = 2
+    shared_memory: bool = True
 
 
 @dataclass

@@ -48,22 +48,40 @@ class TrainerActor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.trainer, method)(*args, **kwargs)
 
-    # weight transfer: the trainer produces HF buckets, rank 0 sends them over vLLM's protocol (r3rl.rollout)
+    # weight transfer: the trainer produces HF buckets, rank 0 drives vLLM's protocol (r3rl.sync); on a wire with many
+    # senders every rank sends its own part of each bucket, else rank 0 sends what the others gathered to it
     def open_weight_transfer(self, urls: list[str], backend: str, loopback: bool, timeout_s: float,
-                             bucket_bytes: int) -> None:
+                             bucket_bytes: int, shared_memory: bool = True) -> dict[str, Any] | None:
+        """Open this rank's end; with many senders rank 0 answers where the others join (``join_weight_transfer``)."""
         from r3rl.sync.protocol import EngineSet, TransferSender
         from r3rl.sync.wires import make_wire
 
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self.wire = make_wire(backend, master_address=host, master_port=free_port(host) if self.rank == 0 else 0,
-                              bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+                              bucket_bytes=bucket_bytes, timeout_s=timeout_s, rank=self.rank,
+                              senders=self.world_size, shared_memory=loopback and shared_memory)
+        senders = self.world_size if self.wire.many_senders else 1
         if self.rank == 0:
-            self.sender = TransferSender(EngineSet(urls, timeout_s), self.wire)
+            self.sender = TransferSender(EngineSet(urls, timeout_s), self.wire, senders=senders)
+            return self.wire.endpoint() if senders > 1 else None
+        return None
+
+    def join_weight_transfer(self, endpoint: dict[str, Any]) -> None:
+        """Every rank at once: rank 0 with the engines, the others at rank 0's ``endpoint``."""
+        if self.rank == 0:
+            self.sender.join_group()
+        else:
+            self.wire.connect(endpoint)
 
     def send_weights(self, version: int) -> dict[str, Any]:
+        from r3rl.sync.protocol import send_owned
         from r3rl.sync.wires import participate
 
-        buckets = self.trainer.weight_stream().stream(dst=0)
+        stream = self.trainer.weight_stream()
+        if self.wire.many_senders:
+            stats = send_owned(self.wire, stream, self.sender, version)
+            return dataclasses.asdict(stats) if stats is not None else {}
+        buckets = stream.stream(dst=0)
         if self.rank != 0:  # the other ranks gather their shards towards rank 0, bucket by bucket (IPC: and more)
             participate(self.wire, buckets)
             return {}

@@ -86,13 +86,20 @@ class TrainerGroup:
         return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
 
     def open_weight_transfer(self, urls: list[str], *, backend: str, loopback: bool, timeout_s: float,
-                             bucket_bytes: int) -> None:
-        ray.get([a.open_weight_transfer.remote(urls, backend, loopback, timeout_s, bucket_bytes)
-                 for a in self.actors])
+                             bucket_bytes: int, shared_memory: bool = True) -> None:
+        endpoint = ray.get([a.open_weight_transfer.remote(urls, backend, loopback, timeout_s, bucket_bytes,
+                                                          shared_memory)
+                            for a in self.actors])[0]
+        if endpoint is not None:  # every rank sends its own shards: all join one group with the engine workers
+            ray.get([a.join_weight_transfer.remote(endpoint) for a in self.actors])
 
     def send_weights(self, version: int) -> dict[str, Any]:
-        """One transfer to every engine (rank 0 sends, the others feed it their shards); rank 0's statistics."""
-        return ray.get([a.send_weights.remote(version) for a in self.actors])[0]
+        """One transfer to every engine; rank 0's statistics. Rank 0's error first (it names the engine at fault):
+        every rank runs the sync to its end whatever failed, so waiting for rank 0 first cannot hang."""
+        refs = [a.send_weights.remote(version) for a in self.actors]
+        stats = ray.get(refs[0])
+        ray.get(refs[1:])
+        return stats
 
     def shutdown(self) -> None:
         for actor in self.actors:

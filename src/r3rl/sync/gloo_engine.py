@@ -1,11 +1,13 @@
 """``r3rl_gloo``: a vLLM weight-transfer engine for the CPU profile (vLLM's NCCL and IPC engines need CUDA).
 
 It speaks vLLM's weight-transfer protocol unchanged (``/init_weight_transfer_engine``, ``/start_weight_update``,
-``/update_weights`` per bucket, ``/finish_weight_update``); only the wire is gloo over TCP: one group of the sending
-trainer rank (rank 0) and every worker of every engine (``rank_offset`` onwards), so one broadcast feeds all engines.
-A bucket travels packed in one flat byte buffer (one broadcast per bucket, tensors at 64-byte aligned offsets that
-both sides compute from the bucket's ``names``/``dtype_names``/``shapes``). When the sender and every engine share
-a host, the buffer is a file in /dev/shm instead, which the engines map and read in place (``shm_path``).
+``/update_weights`` per bucket, ``/finish_weight_update``); only the wire is gloo over TCP: one group of every trainer
+rank (ranks ``0 .. senders-1``, as vLLM's ``nccl_m2n`` lays its communicator out) and every worker of every engine
+(``rank_offset`` onwards). Every trainer rank sends the part of a bucket it owns (its experts, its share of the
+dense layers) itself, point to point to each worker, tagged with the bucket's number; no rank gathers another's
+shards. A part travels packed in one flat byte buffer (tensors at 64-byte aligned offsets that both sides compute
+from its ``names``/``dtype_names``/``shapes``). When the trainer and every engine share a host, each part is a file
+in /dev/shm instead, written by its owner, which the engines map and read in place (``shm_paths``).
 
 Loading is vLLM's layerwise reload (start -> ``load_weights`` per bucket -> finish), except for the CPU experts,
 whose weights live prepacked for the grouped GEMM: each such layer is loaded into a warm unpacked staging pair and
@@ -121,8 +123,8 @@ def open_store(master_address: str, master_port: int, world_size: int, join_time
 
 def open_group(store, master_address: str, rank: int, world_size: int, join_timeout_s: float):
     """A gloo group of its own (never the process's default group: vLLM's workers have theirs). Its own timeout is
-    the join timeout, so a peer that never joins fails the rendezvous in seconds; the broadcasts carry theirs
-    (``broadcast``)."""
+    the join timeout, so a peer that never joins fails the rendezvous in seconds; the transfers carry theirs
+    (``send``, ``recv``)."""
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
     options = ProcessGroupGloo._Options()
@@ -133,14 +135,17 @@ def open_group(store, master_address: str, rank: int, world_size: int, join_time
     return ProcessGroupGloo(PrefixStore(BACKEND, store), rank, world_size, options)
 
 
-def broadcast(group, buf: torch.Tensor, timeout_s: float) -> None:
-    """One bucket from the sender (rank 0) to every engine worker, waiting up to ``timeout_s``."""
-    from torch.distributed import BroadcastOptions
+def send(group, buf: torch.Tensor, workers: range, tag: int, timeout_s: float) -> None:
+    """One trainer rank's part of a bucket to every engine worker (all sends in flight at once), waiting up to
+    ``timeout_s``. The tag (the bucket's number) pairs it with the receive of the same bucket whatever order the
+    engines take the updates in."""
+    works = [group.send([buf], dst, tag) for dst in workers]
+    for work in works:
+        work.wait(datetime.timedelta(seconds=timeout_s))
 
-    opts = BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
-    opts.timeout = datetime.timedelta(seconds=timeout_s)
-    group.broadcast([buf], opts).wait()
+
+def recv(group, buf: torch.Tensor, src: int, tag: int, timeout_s: float) -> None:
+    group.recv([buf], src, tag).wait(datetime.timedelta(seconds=timeout_s))
 
 
 # ------------------------------------------------------------------------------------------------ engine side
@@ -156,9 +161,9 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402  (present wher
 class GlooInitInfo(WeightTransferInitInfo):
     master_address: str
     master_port: int
-    rank_offset: int  # this engine's first worker's rank in the group (the sender is 0)
-    world_size: int  # 1 + every worker of every engine
-    timeout_s: float = 600.0  # one bucket's broadcast
+    rank_offset: int  # this engine's first worker's rank in the group (the trainer ranks come first)
+    world_size: int  # every trainer rank + every worker of every engine
+    timeout_s: float = 600.0  # one part's transfer
     join_timeout_s: float = 60.0  # the rendezvous: every worker and the sender have joined, or the init fails
 
 
@@ -167,10 +172,15 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    # the bucket's buffer as a shared-memory file the sender wrote (sender and engines on one host): read in place
-    # instead of broadcast, so the bytes are copied once by the sender and once into the model. The sender reuses
-    # the file for a later bucket once this update has answered (``_detach_buffered``)
-    shm_path: str | None = None
+    # the bucket's parts in order: [trainer rank that sends it, number of tensors] (``names`` etc. list them all,
+    # part after part); one part from rank 0 when omitted
+    parts: list[list[int]] | None = None
+    # pairs each part's send with its receive (gloo matches point-to-point messages by sender and tag)
+    tag: int = 0
+    # per part, the shared-memory file its sender wrote (trainer and engines on one host), read in place instead of
+    # received, so the bytes are copied once by the sender and once into the model. A sender rewrites its file for a
+    # later bucket once this update has answered (``_detach_buffered``)
+    shm_paths: list[str | None] | None = None
     # after the last bucket, no tensors: every layer must have arrived whole (``PackedExpertsUpdate.check``)
     last: bool = False
 
@@ -178,6 +188,13 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
         if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
             raise ValueError(f"update_info: {len(self.names)} names, {len(self.dtype_names)} dtype_names and "
                              f"{len(self.shapes)} shapes must have the same length")
+        if self.parts is None:
+            self.parts = [[0, len(self.names)]]
+        if sum(n for _, n in self.parts) != len(self.names):
+            raise ValueError(f"update_info: parts {self.parts} list {sum(n for _, n in self.parts)} tensors, "
+                             f"names {len(self.names)}")
+        if self.shm_paths is not None and len(self.shm_paths) != len(self.parts):
+            raise ValueError(f"update_info: {len(self.shm_paths)} shm_paths for {len(self.parts)} parts")
 
 
 def _detach_buffered(buf: torch.Tensor) -> None:
@@ -224,6 +241,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._update: tuple[Any, Any] | None = None  # (PackedExpertsUpdate, MoERepack) while an update is open
         self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []  # experts staging pairs, warm across updates
         self.received_tensors = 0
+        self.received_from: dict[int, int] = {}  # bytes per trainer rank in the last update
         self.experts_packed_in_place = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -242,6 +260,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         experts = PackedExpertsUpdate(self.model, self._staging)
         repack = MoERepack(self.model, skip=experts.methods)
         self.received_tensors = self.experts_packed_in_place = 0
+        self.received_from = {}
         self._update = (experts, repack)
         try:
             initialize_layerwise_reload(self.model)
@@ -268,17 +287,26 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             experts.check()
             repack.check()
             return
-        _, size = packed_offsets(update_info.dtype_names, update_info.shapes)
-        if update_info.shm_path is not None:
-            # private mapping: reading costs no copy
-            buf = torch.from_file(update_info.shm_path, shared=False, size=size, dtype=torch.uint8)
-        else:
-            buf = torch.empty(size, dtype=torch.uint8)
-            broadcast(self.group, buf, self.timeout_s)
+        tensors, mapped, start = [], [], 0
+        for i, (src, count) in enumerate(update_info.parts):
+            part = slice(start, start + count)
+            start += count
+            names, dtype_names, shapes = update_info.names[part], update_info.dtype_names[part], update_info.shapes[part]
+            _, size = packed_offsets(dtype_names, shapes)
+            path = update_info.shm_paths[i] if update_info.shm_paths else None
+            if path is not None:
+                # private mapping: reading costs no copy
+                buf = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+                mapped.append(buf)
+            else:
+                buf = torch.empty(size, dtype=torch.uint8)
+                recv(self.group, buf, src, update_info.tag, self.timeout_s)
+            tensors.extend(unpack(buf, names, dtype_names, shapes))
+            self.received_from[src] = self.received_from.get(src, 0) + size
         experts.stage(update_info.names)
-        self.model.load_weights(unpack(buf, update_info.names, update_info.dtype_names, update_info.shapes))
+        self.model.load_weights(tensors)
         experts.loaded()
-        if update_info.shm_path is not None:
+        for buf in mapped:
             _detach_buffered(buf)
         self.received_tensors += len(update_info.names)
 

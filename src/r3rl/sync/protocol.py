@@ -153,6 +153,9 @@ class Wire(ABC):
 
     backend: ClassVar[str]
     in_flight: ClassVar[int] = 2
+    # every trainer rank sends its own part of each bucket (``send_owned``); else rank 0 sends whole buckets
+    many_senders: ClassVar[bool] = False
+    senders: int = 1
 
     def listen(self, world_size: int) -> None:
         """The sender's end of the rendezvous, before any engine waits on it (default: nothing to open)."""
@@ -176,21 +179,33 @@ class Wire(ABC):
     def close(self) -> None:
         """Release the wire's group and buffers."""
 
+    def endpoint(self) -> dict[str, Any]:
+        """What the other trainer ranks need to join the group (after ``listen``; wires with one sender: nothing)."""
+        return {}
+
 
 class TransferSender:
-    """Rank 0 of a weight-transfer group (or, for IPC, the rank that posts): vLLM's protocol over any ``Wire``."""
+    """Rank 0 of a weight-transfer group (or, for IPC, the rank that posts): vLLM's protocol over any ``Wire``.
 
-    def __init__(self, engines: EngineSet, wire: Wire):
+    The group's first ``senders`` ranks are the trainer's (1 unless the wire lets every trainer rank send its own
+    shards, ``send_owned``); the engine workers follow. With one sender the group is joined at construction; with
+    more, the caller runs ``join_group`` while the other trainer ranks join at ``wire.endpoint()`` (all block until
+    everyone has)."""
+
+    def __init__(self, engines: EngineSet, wire: Wire, senders: int = 1):
         self.engines, self.wire = engines, wire
         sizes = engines.world_sizes()
-        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        world = 1 + sum(sizes)
-        wire.listen(world)  # a port taken or an address not ours fails here, before any engine waits on us
-        payloads = [{"json": {"init_info": wire.init_info(off, world)}} for off in offsets]
+        self._offsets = [senders + sum(sizes[:i]) for i in range(len(sizes))]
+        self.world_size = senders + sum(sizes)
+        wire.listen(self.world_size)  # a port taken or an address not ours fails here, before any engine waits on us
+        if senders == 1:
+            self.join_group()
+
+    def join_group(self) -> None:
+        payloads = [{"json": {"init_info": self.wire.init_info(off, self.world_size)}} for off in self._offsets]
         # the workers block in the rendezvous inside /init_weight_transfer_engine until the sender joins
-        futures = engines.submit("/init_weight_transfer_engine", "joining the weight-transfer group", payloads)
-        join(futures, engines.urls, wire.connect)
-        self.world_size = world
+        futures = self.engines.submit("/init_weight_transfer_engine", "joining the weight-transfer group", payloads)
+        join(futures, self.engines.urls, self.wire.connect)
 
     def _name_failure(self, futures, err: BaseException, what: str) -> None:
         """Turn a transport error into an ``EngineError`` naming the engine at fault (an HTTP failure, or else the
@@ -305,3 +320,118 @@ def join(futures: list[Future], urls: Sequence[str], open_sender_end: Callable[[
                               f"({type(mine.exception()).__name__}: {mine.exception()})",
                               url=late[0]) from mine.exception()
     return mine.result()
+
+
+def send_owned(wire: Any, stream: Any, sender: TransferSender | None = None,
+               version: int | str | None = None) -> SendStats | None:
+    """One sync in which every trainer rank sends the part of each bucket it owns (run by every rank; rank 0 passes
+    its ``sender`` and posts the updates). No rank gathers another's shards.
+
+    ``stream`` is the trainer's ``HFBucketStream``: ``bucket_parts()`` says who owns what (the same on every rank),
+    ``stream(dst=None)`` yields each rank its own part. Per bucket: every rank stages its part (``wire.stage``); rank
+    0 waits until fewer than ``wire.in_flight`` updates are unanswered; all ranks agree (one small all-reduce: every
+    rank still well, and which parts went by file); rank 0 posts the bucket's update naming each part's sender; every
+    owner transmits its part. A failure anywhere stops the staging on every rank at the next bucket; the stream is
+    still run to its end (its tensor-parallel gathers are collective) and each rank raises its own error after."""
+    start = time.perf_counter()
+    wire.begin()
+    plan = stream.bucket_parts()
+    error: BaseException | None = None
+    pending: list = []
+    totals = [0, 0, 0.0, 0.0]  # tensors, bytes, staging seconds, wire seconds
+    count = 0
+
+    def failed(err: BaseException) -> None:
+        nonlocal error
+        error = error or err
+
+    if sender is not None:
+        try:
+            sender.engines.start_weight_update()
+        except BaseException as err:  # noqa: BLE001  (raised after the other ranks were told)
+            failed(err)
+    ok, _ = agree(error is None, False, wire.senders)
+    for parts, own in zip(plan, stream.stream(dst=None)):
+        if not ok:
+            continue  # drain: the other ranks' stream collectives stay matched
+        t0 = time.perf_counter()
+        staged, by_file = None, False
+        try:
+            staged, by_file = wire.stage(own)
+        except BaseException as err:  # noqa: BLE001
+            failed(err)
+        t1 = time.perf_counter()
+        mine = next((metas for owner, metas in parts if owner == wire.rank), [])
+        if error is None and [n for n, _ in own] != [m.name for m in mine]:
+            failed(RuntimeError(f"weight transfer: trainer rank {wire.rank} produced {[n for n, _ in own][:3]}... "
+                                f"where the plan has {[m.name for m in mine][:3]}...; the ranks disagree on the plan"))
+        if sender is not None and error is None:
+            try:
+                while len(pending) >= wire.in_flight:  # the engines load one while the next is staged
+                    sender.engines.wait(pending.pop(0))
+            except BaseException as err:  # noqa: BLE001
+                failed(err)
+        ok, files = agree(error is None, by_file, wire.senders)
+        if not ok:
+            continue
+        t2 = time.perf_counter()
+        if sender is not None:
+            info = wire.part_info(parts, files)
+            pending.append(sender.engines.submit("/update_weights", "receiving weights", json={"update_info": info}))
+            count += 1
+            totals[0] += len(info["names"])
+            totals[1] += sum(m.nbytes for _, metas in parts for m in metas)
+        try:
+            wire.transmit(staged)
+        except BaseException as err:  # noqa: BLE001
+            if sender is not None:
+                try:
+                    sender._name_failure([f for fs in pending for f in fs], err, "the weight transfer")
+                except EngineError as named:
+                    err = named
+            failed(err)
+        totals[2] += t1 - t0
+        totals[3] += time.perf_counter() - t2
+    ok, _ = agree(error is None, False, wire.senders)
+    if sender is None:
+        if error is not None:
+            raise error
+        return None
+    t3 = time.perf_counter()
+    try:
+        while pending:  # the engines' own errors first: they name the engine
+            sender.engines.wait(pending.pop(0))
+        if error is not None:
+            raise error
+        if not ok:
+            raise RuntimeError("weight transfer: another trainer rank failed to send its part (its error is raised "
+                               "by that rank)")
+        sender._pipe(wire.closing(), pending, totals)
+        while pending:
+            sender.engines.wait(pending.pop(0))
+        load_tail = time.perf_counter() - t3
+        sender.engines.finish_weight_update(version)
+    finally:
+        for fs in pending:
+            for f in fs:
+                f.cancel()
+    tensors, nbytes, stage_s, wire_s = totals
+    return SendStats(version, count, tensors, nbytes, time.perf_counter() - start, stage_s, wire_s, load_tail)
+
+
+def agree(ok: bool, by_file: bool, senders: int) -> tuple[bool, list[bool]]:
+    """Across the trainer's ranks (its default process group): whether every rank is still well, and per rank
+    whether it wrote its part to a file. One all-reduce of ``senders + 1`` numbers."""
+    if senders == 1:
+        return ok, [by_file]
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flags = torch.zeros(senders + 1, dtype=torch.int32, device=device)
+    flags[0] = 0 if ok else 1
+    flags[1 + rank] = int(by_file)
+    dist.all_reduce(flags)
+    flags = flags.tolist()
+    return flags[0] == 0, [bool(f) for f in flags[1:]]

@@ -33,10 +33,13 @@ GPU_BACKENDS = ("nccl", "ipc")
 
 
 def make_wire(backend: str, *, master_address: str, master_port: int, bucket_bytes: int, timeout_s: float,
-              join_timeout_s: float = 60.0) -> Wire:
-    """The wire of ``backend`` (``r3rl.plan.weight_sync_backend`` resolved it; ``disk`` has none)."""
+              join_timeout_s: float = 60.0, rank: int = 0, senders: int = 1, shared_memory: bool | None = None
+              ) -> Wire:
+    """The wire of ``backend`` (``r3rl.plan.weight_sync_backend`` resolved it; ``disk`` has none) for trainer rank
+    ``rank`` of ``senders``."""
     if backend == "r3rl_gloo":
-        return GlooWire(master_address, master_port, timeout_s, join_timeout_s)
+        return GlooWire(master_address, master_port, timeout_s, join_timeout_s, rank=rank, senders=senders,
+                        shared_memory=shared_memory)
     if backend == "nccl":
         return NcclWire(master_address, master_port, bucket_bytes)
     if backend == "ipc":
@@ -54,67 +57,141 @@ def _nbytes(bucket: list[tuple[str, Any]]) -> int:
 
 
 class GlooWire(Wire):
-    """r3rl's CPU wire: rank 0 of a gloo group of its own; on loopback the buckets go through two shared-memory
-    files the engines map (one copy in, one copy out, no sockets)."""
+    """r3rl's CPU wire: every trainer rank is a sender in one gloo group with the engine workers (ranks
+    ``0 .. senders-1``, then the workers) and sends the part of each bucket it owns itself; on loopback each part
+    goes through shared-memory files its owner writes and the engines map (one copy in, one copy out, no sockets).
+
+    Rank 0 runs ``listen``/``init_info`` and posts the updates (``TransferSender``); every rank runs ``connect`` and,
+    per bucket, ``stage`` (its own part) and ``transmit``. ``updates`` is the single-sender form (rank 0 holds the
+    whole bucket), for buckets that do not come from the trainer's stream."""
 
     backend = "r3rl_gloo"
-    in_flight = 2  # the two shared-memory files: a file is rewritten once its previous bucket was answered
+    in_flight = 2
+    many_senders = True
+    # a part's file is rewritten ``in_flight + 1`` buckets later: by then the update that read it has answered
+    slots = in_flight + 1
 
     def __init__(self, master_address: str, master_port: int, timeout_s: float, join_timeout_s: float,
-                 *, shared_memory: bool | None = None) -> None:
+                 *, shared_memory: bool | None = None, rank: int = 0, senders: int = 1) -> None:
         self.address, self.port = master_address, master_port
         self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
+        self.rank, self.senders = rank, senders
         self.shared_memory = master_address in ("127.0.0.1", "localhost") if shared_memory is None \
             else shared_memory
-        self.group = self._store = self._buf = None  # _buf: the warm pack buffer, as large as the largest bucket
-        self._world = 0
-        self._count = 0
+        self.group = self._store = self._buf = None  # _buf: the warm pack buffer, as large as the largest part
+        self.world = 0
+        self._count = 0  # buckets so far, the same on every rank: the tag of a bucket and its file slot
         shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self._shm_dir = shm_dir
-        # rewritten in place sync after sync: their pages stay allocated (a fresh file pays the kernel's page
-        # allocation for every 4 KiB, which on a busy host costs more than the copy itself)
-        self._shm_files = [shm_dir / f"r3rl-weights-{os.getpid()}-{uuid.uuid4().hex}-{i}" for i in range(2)]
-        self._shm_cleanup = weakref.finalize(self, _unlink, list(self._shm_files))
+        self._shm_prefix = ""
+        self._shm_files: list[Path] = []
+        self._shm_cleanup = None
+
+    def endpoint(self) -> dict[str, Any]:
+        """What the other trainer ranks need to join (rank 0, after ``listen``)."""
+        return {"master_address": self.address, "master_port": self.port, "world_size": self.world,
+                "shm_prefix": self._shm_prefix}
 
     def listen(self, world_size: int) -> None:
         from r3rl.sync.gloo_engine import open_store
 
-        self._world = world_size
+        self._set_world(world_size, f"r3rl-weights-{os.getpid()}-{uuid.uuid4().hex}")
         try:
             self._store = open_store(self.address, self.port, world_size, self.join_timeout_s, is_master=True)
         except Exception as err:
             raise RuntimeError(f"weight transfer: the sender cannot listen on {self.address}:{self.port} "
                                f"({type(err).__name__}: {err}); no engine was contacted") from err
+        self.port = self._store.port
+
+    def _set_world(self, world_size: int, shm_prefix: str) -> None:
+        self.world, self._shm_prefix = world_size, shm_prefix
+        # rewritten in place sync after sync: their pages stay allocated (a fresh file pays the kernel's page
+        # allocation for every 4 KiB, which on a busy host costs more than the copy itself)
+        self._shm_files = [self.shm_file(self.rank, i) for i in range(self.slots)]
+        self._shm_cleanup = weakref.finalize(self, _unlink, list(self._shm_files))
+
+    def shm_file(self, rank: int, slot: int) -> Path:
+        return self._shm_dir / f"{self._shm_prefix}-r{rank}-{slot}"
 
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
         return {"master_address": self.address, "master_port": self.port, "rank_offset": rank_offset,
                 "world_size": world_size, "timeout_s": self.timeout_s, "join_timeout_s": self.join_timeout_s}
 
-    def connect(self) -> None:
-        from r3rl.sync.gloo_engine import open_group
+    def connect(self, endpoint: dict[str, Any] | None = None) -> None:
+        """Join the group: rank 0 over the store it listens on, the other ranks at rank 0's ``endpoint``."""
+        from r3rl.sync.gloo_engine import open_group, open_store
 
-        self.group = open_group(self._store, self.address, 0, self._world, self.join_timeout_s)
+        if endpoint is not None:
+            self.address, self.port = endpoint["master_address"], endpoint["master_port"]
+            self._set_world(endpoint["world_size"], endpoint["shm_prefix"])
+            self._store = open_store(self.address, self.port, self.world, self.join_timeout_s, is_master=False)
+        self.group = open_group(self._store, self.address, self.rank, self.world, self.join_timeout_s)
 
-    def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
-        from r3rl.sync.gloo_engine import broadcast, pack, packed_offsets, write_packed
+    # -- one bucket, every rank sending its own part ------------------------------------------------------------
+    def begin(self) -> None:
+        """A new sync: bucket numbers (tags, file slots) restart; every earlier update has answered."""
+        self._count = 0
 
-        if not bucket:
-            return
-        ts = [t.detach().cpu() for _, t in bucket]
-        info = _meta(bucket)
+    def stage(self, part: list[tuple[str, Any]]) -> tuple[Any, bool]:
+        """Make this rank's part of the next bucket ready (its file written, or its buffer packed); every rank calls
+        it once per bucket, with an empty part where it owns nothing. Returns what ``transmit`` sends (None:
+        nothing) and whether the part went by file. The file's previous bucket has answered (``slots``)."""
+        from r3rl.sync.gloo_engine import pack, packed_offsets, write_packed
+
+        slot, self._count = self._count % self.slots, self._count + 1
+        if not part:
+            return None, False
+        ts = [t.detach().cpu() for _, t in part]
+        info = _meta(part)
         _, size = packed_offsets(info["dtype_names"], info["shapes"])
-        path = self._shm_files[self._count % 2]
-        self._count += 1
-        held = path.stat().st_size if path.exists() else 0
-        # a small /dev/shm (containers default to 64 MiB) would fail the write: broadcast those buckets
-        if self.shared_memory and shutil.disk_usage(self._shm_dir).free + held > 2 * size:
-            write_packed(path, ts, size)  # its previous bucket was answered (in_flight), so no engine reads it now
-            yield Update({**info, "shm_path": str(path)}, len(ts), size)
-            return
+        if self._use_file(slot, size):
+            write_packed(self._shm_files[slot], ts, size)
+            return None, True
         buf = pack(ts, self._buf)
         if self._buf is None or buf.numel() > self._buf.numel():
             self._buf = buf
-        yield Update(info, len(ts), size, transmit=lambda: broadcast(self.group, buf, self.timeout_s))
+        return buf, False
+
+    def _use_file(self, slot: int, size: int) -> bool:
+        if not self.shared_memory:
+            return False
+        path = self._shm_files[slot]
+        held = path.stat().st_size if path.exists() else 0
+        # a small /dev/shm (containers default to 64 MiB) would fail the write: send those parts
+        return shutil.disk_usage(self._shm_dir).free + held > 2 * size
+
+    def part_info(self, parts: list[tuple[int, list[Any]]], by_file: list[bool]) -> dict[str, Any]:
+        """The update of the bucket staged last (rank 0), from every part's ``(owner, TensorMeta list)`` and which
+        owners wrote theirs to a file (indexed by rank): which rank sends which tensors, or where its file is."""
+        slot = (self._count - 1) % self.slots
+        names, dtypes, shapes, counts, paths = [], [], [], [], []
+        for owner, metas in parts:
+            names += [m.name for m in metas]
+            dtypes += [m.dtype for m in metas]
+            shapes += [list(m.shape) for m in metas]
+            counts.append([owner, len(metas)])
+            paths.append(str(self.shm_file(owner, slot)) if by_file[owner] else None)
+        return {"names": names, "dtype_names": dtypes, "shapes": shapes, "parts": counts,
+                "tag": self._count - 1, "shm_paths": paths}
+
+    def transmit(self, staged: Any) -> None:
+        """This rank's part of the bucket staged last, to every engine worker (nothing when it went by file)."""
+        from r3rl.sync.gloo_engine import send
+
+        if staged is not None:
+            send(self.group, staged, range(self.senders, self.world), self._count - 1, self.timeout_s)
+
+    # -- single sender ------------------------------------------------------------------------------------------
+    def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
+        if not bucket:
+            return
+        staged, by_file = self.stage(bucket)
+        info = {**_meta(bucket), "parts": [[self.rank, len(bucket)]], "tag": self._count - 1}
+        if by_file:
+            info["shm_paths"] = [str(self._shm_files[(self._count - 1) % self.slots])]
+            yield Update(info, len(bucket), _nbytes_packed(info))
+            return
+        yield Update(info, len(bucket), staged.numel(), transmit=lambda: self.transmit(staged))
 
     def closing(self) -> Iterator[Update]:
         # the engines check that every MoE layer arrived whole: an error here ends the update cleanly in vLLM,
@@ -123,7 +200,14 @@ class GlooWire(Wire):
 
     def close(self) -> None:
         self.group = self._store = self._buf = None
-        self._shm_cleanup()
+        if self._shm_cleanup is not None:
+            self._shm_cleanup()
+
+
+def _nbytes_packed(info: dict[str, Any]) -> int:
+    from r3rl.sync.gloo_engine import packed_offsets
+
+    return packed_offsets(info["dtype_names"], info["shapes"])[1]
 
 
 def _unlink(paths: list[Path]) -> None:

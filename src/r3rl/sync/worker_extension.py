@@ -64,6 +64,7 @@ class R3RLWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return {"backend": type(engine).__name__ if engine is not None else None,
                 "received_tensors": getattr(engine, "received_tensors", None),
+                "received_from": getattr(engine, "received_from", None),
                 "experts_packed_in_place": getattr(engine, "experts_packed_in_place", None)}
 
     def r3rl_worker_info(self) -> dict[str, Any]:

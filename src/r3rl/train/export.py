@@ -90,8 +90,12 @@ class StreamStats:
         self._held += nbytes
         self.peak_bytes = max(self.peak_bytes, self._held)
 
-    def release_all(self) -> None:
-        self._held = 0
+    def release(self, nbytes: int) -> None:
+        self._held -= nbytes
+
+
+def _nbytes(fulls: list[tuple[PlanItem, torch.Tensor]]) -> int:
+    return sum(full.numel() * full.element_size() for _, full in fulls)
 
 
 def _hf_meta(ref: ParamRef, full_shape: tuple[int, ...], dtype: torch.dtype, shape: AttentionShape
@@ -163,6 +167,17 @@ class HFBucketStream:
     def bucket_metadata(self) -> list[list[TensorMeta]]:
         return [[t for item in b for t in item.hf] for b in self.buckets]
 
+    def bucket_parts(self) -> list[list[tuple[int, list[TensorMeta]]]]:
+        """Per bucket, ``(owner rank, its tensors)`` by rank: what ``stream(dst=None)`` yields on each owner, so a
+        rank that sends only its own part can be announced by another (the same lists on every rank)."""
+        out = []
+        for bucket in self.buckets:
+            parts: dict[int, list[TensorMeta]] = {}
+            for item in bucket:
+                parts.setdefault(item.owner, []).extend(item.hf)
+            out.append(sorted(parts.items()))
+        return out
+
     @property
     def total_bytes(self) -> int:
         return sum(i.nbytes for i in self.items)
@@ -185,40 +200,67 @@ class HFBucketStream:
                 self._ps.get_tensor_model_parallel_group()
             pieces = [torch.empty_like(data) for _ in range(size)]
             torch.distributed.all_gather(pieces, data.contiguous(), group=group)
-            self.stats.hold(sum(p.numel() * p.element_size() for p in pieces))
+            gathered = sum(p.numel() * p.element_size() for p in pieces)
+            self.stats.hold(gathered)  # the pieces and, at the peak, the full tensor made of them
             data = unshard(pieces, item.ref, pdim)
+            self.stats.hold(data.numel() * data.element_size())
+            self.stats.release(gathered + data.numel() * data.element_size())
         return data if item.owner == self.rank else None
 
     def stream(self, dst: int | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield one list of ``(hf_name, full tensor)`` per bucket, on every rank (collective: iterate to the end).
 
         ``dst=None``: each rank gets the tensors it owns. ``dst=r``: rank r gets every tensor of the bucket, the
-        others get empty lists. Tensors stay on the parameters' device and may be views of live parameters (read
-        them, never write them); a bucket is freed when the next is made.
+        others get empty lists; the owners' sends of bucket k+1 are already in flight while the caller handles
+        bucket k (sends it on to the engines), so rank r holds at most two buckets. Tensors stay on the parameters'
+        device and may be views of live parameters (read them, never write them); a bucket is freed when the next
+        is made.
         """
         self.stats = StreamStats()
-        for bucket in self.buckets:
-            out: list[tuple[str, torch.Tensor]] = []
-            for item in bucket:
-                full = self._full(item)
-                if dst is not None and item.owner != dst:
-                    if self.rank == item.owner:
-                        torch.distributed.send(full.contiguous(), dst=dst)
-                        full = None
-                    elif self.rank == dst:
-                        full = torch.empty(item.full_shape, dtype=getattr(torch, item.hf[0].dtype),
-                                           device=self._device())
-                        torch.distributed.recv(full, src=item.owner)
-                if full is None:
-                    continue
+        if dst is None:
+            for bucket in self.buckets:
+                fulls = [(item, full) for item in bucket if (full := self._full(item)) is not None]
+                held = _nbytes(fulls)
+                self.stats.hold(held)
+                yield self._emit(fulls)
+                del fulls
+                self.stats.release(held)
+            return
+        ahead = self._gather(self.buckets[0], dst) if self.buckets else []
+        for k in range(len(self.buckets)):
+            for _, _, work in ahead:
+                if work is not None:
+                    work.wait()
+            current = [(item, full) for item, full, _ in ahead if full is not None and self.rank == dst]
+            ahead = self._gather(self.buckets[k + 1], dst) if k + 1 < len(self.buckets) else []
+            yield self._emit(current)
+            held = _nbytes(current)
+            del current
+            self.stats.release(held)
+
+    def _gather(self, bucket: list[PlanItem], dst: int) -> list[tuple[PlanItem, torch.Tensor | None, object]]:
+        """Start moving ``bucket`` to ``dst``: each tensor with its send or receive still in flight (or None)."""
+        out = []
+        for item in bucket:
+            full, work = self._full(item), None
+            if item.owner != dst:
+                if self.rank == item.owner:
+                    full = full.contiguous()  # kept until its send has completed
+                    work = torch.distributed.isend(full, dst=dst)
+                elif self.rank == dst:
+                    full = torch.empty(item.full_shape, dtype=getattr(torch, item.hf[0].dtype), device=self._device())
+                    work = torch.distributed.irecv(full, src=item.owner)
+            if full is not None and self.rank == dst:
                 self.stats.hold(full.numel() * full.element_size())
-                out.extend(full_to_hf(item.ref, full, self.shape).items())
-            self.stats.buckets += 1
-            self.stats.tensors += len(out)
-            self.stats.bytes_out += sum(t.numel() * t.element_size() for _, t in out)
-            yield out
-            del out
-            self.stats.release_all()
+            out.append((item, full, work))
+        return out
+
+    def _emit(self, fulls: list[tuple[PlanItem, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        out = [pair for item, full in fulls for pair in full_to_hf(item.ref, full, self.shape).items()]
+        self.stats.buckets += 1
+        self.stats.tensors += len(out)
+        self.stats.bytes_out += sum(t.numel() * t.element_size() for _, t in out)
+        return out
 
     def _device(self) -> torch.device:
         return next(iter(self._local.values()))[0].device

@@ -105,3 +105,58 @@ def test_engine_killed_mid_transfer_ends_the_run_naming_it_and_keeps_the_checkpo
     assert not (checkpoint.checkpoint_root(run_dir) / f"step_{meta.step + 1:06d}").exists()
     assert not pid_alive(engine["pid"])
     assert_nothing_left(run_dir)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm_files", "sockets"])
+def test_every_trainer_rank_sends_its_own_experts_and_the_engine_serves_the_trainers_weights(
+        tmp_path, compose_cfg, tiny_model_dir, shared_memory):
+    """Two trainer ranks (expert parallel 2) and one engine: each rank sends the part of every bucket it owns, rank 1
+    its half of the experts (by file or over gloo's sockets), and nothing of rank 1's passes through rank 0; after
+    the sync the engine serves exactly the trainer's weights. Fails if the trainer gathered to rank 0 again (rank 1
+    would send nothing), if a part were announced under the wrong sender (the engine would receive another rank's
+    bytes, or hang until the timeout), or if the parts' order in an update disagreed with the names."""
+    from safetensors import safe_open
+
+    from recipes.grpo import GRPORecipe
+
+    cfg = compose_cfg("parallelism=cpu", *PLUMBING, f"run.output_dir={tmp_path}", "run.num_steps=1",
+                      "run.eval_every=0", "rollout.engine.dtype=float32", "logger.wandb.mode=disabled",
+                      f"rollout.engine.base_port={free_port()}", "rollout.weight_sync.bucket_mb=0.5",
+                      f"rollout.weight_sync.shared_memory={str(shared_memory).lower()}", "trainer.lr=0.01",
+                      "parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2",
+                      "parallelism.trainer.expert_parallel=2", "trainer.micro_batch_size=2")
+    recipe = GRPORecipe(cfg)
+    try:
+        recipe.setup()
+        url = recipe.engines.urls[0]
+        greedy = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=6, seed=7)
+        prompt = np.random.default_rng(3).integers(10, 1000, size=40).tolist()
+        (before,) = recipe.client.generate_sync([prompt], 1, greedy, step=0)
+        recipe.train_step(1, next(recipe.dataset.batches(cfg.algorithm.rollout_batch_size)))
+        assert weight_version(url) == "1"
+        (probe,) = recipe.client.generate_sync([prompt], 1, greedy, step=101)
+        trainer = recipe.trainers.call("logprobs", [probe, before], replay=True).logprobs
+        np.testing.assert_allclose(probe.rollout_logprobs, trainer[0], atol=1e-4)
+        assert np.max(np.abs(before.rollout_logprobs - trainer[1])) > 1e-3
+
+        stats = httpx.post(f"{url}/collective_rpc", json={"method": "r3rl_transfer_stats"},
+                           timeout=60).json()["results"][0]
+        received = {int(r): n for r, n in stats["received_from"].items()}
+        # the bytes each rank owns: experts 0..E/2-1 and every dense tensor on rank 0, experts E/2.. on rank 1
+        # (float32 trainer); a part's buffer adds at most 63 bytes of alignment per tensor
+        num_experts = cfg.model.num_experts
+        owned, count = {0: 0, 1: 0}, {0: 0, 1: 0}
+        for f in sorted(tiny_model_dir.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    m = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+                    rank = int(m is not None and int(m.group(1)) >= num_experts // 2)
+                    owned[rank] += int(np.prod(fh.get_slice(name).get_shape())) * 4
+                    count[rank] += 1
+        assert set(received) == {0, 1}, received
+        for rank in (0, 1):
+            assert owned[rank] <= received[rank] < owned[rank] + 64 * count[rank], (rank, received, owned)
+        assert stats["received_tensors"] == count[0] + count[1]
+    finally:
+        recipe.cleanup()
+    assert_nothing_left(tmp_path)

@@ -76,7 +76,7 @@ def test_transfer_serves_new_weights_and_no_stale_prefix(r3_cfg, r3_engine, r3_c
         received = engines.all("/collective_rpc", "stats", json={"method": "r3rl_transfer_stats"})[0]["results"]
         # every MoE layer of the tiny model was prepacked straight into its live storage
         assert received == [{"backend": "GlooWeightTransferEngine", "received_tensors": stats.tensors,
-                             "experts_packed_in_place": 4}]
+                             "received_from": {"0": stats.bytes}, "experts_packed_in_place": 4}]
         after = weight_checksums(url)
         changed = {k.split(":")[-1] for k in before if before[k] != after[k]}
         # the CPU experts' prepacked weights took the new values (the MoE repack ran after the transfer)

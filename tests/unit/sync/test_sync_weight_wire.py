@@ -58,3 +58,51 @@ def test_file_rewritten_in_place_keeps_its_pages_and_reads_back_the_new_bucket(t
     data = torch.from_file(str(path), shared=False, size=n, dtype=torch.uint8)
     ((_, got),) = unpack(data, ["a"], ["float32"], [[20]])
     assert torch.equal(got, small[0])
+
+
+def test_update_info_parts_must_cover_the_names_and_each_have_a_file_entry():
+    with pytest.raises(ValueError, match="parts"):
+        GlooUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[1], [2]], parts=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="shm_paths"):
+        GlooUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[1], [2]], parts=[[0, 1], [1, 1]],
+                       shm_paths=["/dev/shm/x"])
+    # one part from rank 0 when the update names none (a single sender)
+    assert GlooUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[1]]).parts == [[0, 1]]
+
+
+def test_each_part_is_announced_under_its_owner_with_its_own_file(tmp_path):
+    """Two trainer ranks stage their parts of a bucket; rank 0's update names each part's sender, tensors and file,
+    and the file holds exactly that rank's tensors. Fails if parts were announced under the wrong rank or slot (the
+    engine would read another rank's bytes), or if a part sent over sockets were given a file."""
+    from r3rl.sync.gloo_engine import unpack
+    from r3rl.sync.wires import GlooWire
+    from r3rl.train.export import TensorMeta
+
+    wires = []
+    for rank in (0, 1):
+        wire = GlooWire("127.0.0.1", 0, 30.0, 5.0, rank=rank, senders=2)
+        wire._shm_dir = tmp_path
+        wire._set_world(3, "r3rl-test")
+        wire.begin()
+        wires.append(wire)
+    own = {0: [("embed", torch.arange(6, dtype=torch.float32))],
+           1: [("e4", torch.full((2, 3), 4.0, dtype=torch.bfloat16)), ("e5", torch.ones(5, dtype=torch.float32))]}
+    parts = [(r, [TensorMeta(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in own[r]])
+             for r in (0, 1)]
+    for bucket in range(4):  # the slot of bucket 0 comes round again at bucket 3
+        staged = [wires[r].stage(own[r]) for r in (0, 1)]
+        assert all(buf is None and by_file for buf, by_file in staged)
+        info = wires[0].part_info(parts, [True, True])
+        assert info["parts"] == [[0, 1], [1, 2]] and info["tag"] == bucket
+        assert info["names"] == ["embed", "e4", "e5"]
+        paths = info["shm_paths"]
+        assert paths == [str(tmp_path / f"r3rl-test-r{r}-{bucket % 3}") for r in (0, 1)]
+        got = unpack(torch.from_file(paths[1], size=(tmp_path / paths[1]).stat().st_size, dtype=torch.uint8),
+                     info["names"][1:], info["dtype_names"][1:], info["shapes"][1:])
+        assert all(torch.equal(t, want) for (_, t), (_, want) in zip(got, own[1]))
+        GlooUpdateInfo(**{k: v for k, v in info.items()})
+    # a part that went over sockets has no file
+    assert wires[0].part_info(parts, [True, False])["shm_paths"][1] is None
+    for wire in wires:
+        wire.close()
+    assert not list(tmp_path.iterdir())
