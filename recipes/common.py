@@ -221,9 +221,13 @@ class Recipe:
         self.handoffs.append(("wake", tuple(tags)))
 
     # ------------------------------------------------------------------ save / cleanup
+    def data_state(self) -> dict:
+        """The data sampler's state a checkpoint saves."""
+        return self.dataset.state_dict()
+
     def save(self, step: int) -> Path:
         meta = checkpoint.CheckpointMeta(step=step, wandb_run_id=self.logger.run_id if self.logger else None,
-                                         data_state=self.dataset.state_dict(), weight_version=step,
+                                         data_state=self.data_state(), weight_version=step,
                                          unlogged_metrics=self.unlogged)
         return checkpoint.save(self.run_dir, meta, lambda d: self.trainers.call("save_checkpoint", d / "trainer", {}))
 

@@ -1,8 +1,11 @@
 """GRPO for MoE models with Rollout Routing Replay: the recipe ``python run.py`` launches.
 
 Each step reads top to bottom: generate -> log-probs (with and without replay) -> mismatch metrics -> train ->
-sync weights -> log -> save. The driver process is the controller and holds no GPU; trainer ranks and vLLM engines
-are Ray actors placed by ``r3rl.placement``. What the SFT recipe shares with this one (start and stop of the
+sync weights -> log -> save. With ``algorithm.max_staleness >= 1`` the engines are the producer and the trainer the
+consumer: a step takes the batch the engines generated during the previous step, hands the engines the trainer's
+weights if their next batch would otherwise come out too old, starts that batch, and trains this one meanwhile.
+The driver process is the controller and holds no GPU; trainer ranks and vLLM engines are Ray actors placed by
+``r3rl.placement``. What the SFT recipe shares with this one (start and stop of the
 actors, weight sync, eval points, checkpoints, SIGTERM, the end-of-run report) is in ``recipes/common.py``.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +31,7 @@ from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import EngineError
 from r3rl.rollout.store import save_rollout
 from r3rl.sample import Sample, SampleStatus
-from r3rl.train import correction, dapo
+from r3rl.train import correction, dapo, staleness
 from r3rl.train.grpo import group_advantages
 from recipes import common
 from recipes.common import StopRequested, console
@@ -41,6 +45,14 @@ class GRPORecipe(common.Recipe):
         self.replay_mode = replay_mode(cfg)
         self.r3 = self.replay_mode == "r3"
         self.correction = correction.Correction.of(cfg.correction)
+        self.max_staleness = cfg.algorithm.max_staleness
+        # max_staleness >= 1: the batch the engines generate while the trainer trains (its step, its prompts, the
+        # future of its first generation round, and the data state from before its prompts were drawn, which a
+        # checkpoint saves so that a resumed run generates it again: nothing lost, nothing trained twice). Grading
+        # stays in the main thread (the reward's SIGALRM deadline), and with it any further DAPO round
+        self.producer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3rl-rollout-ahead") \
+            if self.max_staleness else None
+        self.ahead: tuple[int, list, Future, dict] | None = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -71,7 +83,8 @@ class GRPORecipe(common.Recipe):
                 if self.stop:  # arrived during setup: nothing new to save
                     raise StopRequested(step - 1)
                 try:
-                    self.train_step(step, next(batches))
+                    # ahead of the trainer, the engines draw their prompts themselves (``collect``)
+                    self.train_step(step, None if self.producer else next(batches))
                 except Exception as err:
                     # an engine whose node went down surfaces as whatever call reached it first: name the engine
                     if dead := self.engines.dead():
@@ -85,18 +98,19 @@ class GRPORecipe(common.Recipe):
                 if self.stop:
                     raise StopRequested(step)
 
-    def train_step(self, step: int, prompts) -> None:
+    def train_step(self, step: int, prompts=None) -> None:
         cfg, alg = self.cfg, self.cfg.algorithm
         timings: dict[str, float] = {}
         started = time.perf_counter()
         if dead := self.engines.dead():
             raise EngineError(f"engine(s) {', '.join(dead)} died before step {step}; see {self.run_dir / 'logs'}")
 
-        # 1. generate and grade (DAPO: groups of equal outcome dropped and refilled, overlong responses penalised)
+        # 1. generate and grade (DAPO: groups of equal outcome dropped and refilled, overlong responses penalised);
+        # ahead of the trainer (max_staleness >= 1): the batch generated meanwhile, the next one started
         t = time.perf_counter()
-        samples, rollout_stats = self.rollout(step, prompts)
+        samples, rollout_stats = self.rollout(step, prompts) if self.producer is None else self.collect(step, timings)
         rewards = [s.reward for s in samples]
-        timings["rollout"] = time.perf_counter() - t
+        timings["rollout"] = time.perf_counter() - t - timings.get("weight_sync", 0.0)
         if cfg.debug.save_rollout:
             save_rollout(samples, Path(cfg.debug.save_rollout) / f"step_{step:06d}.npz")
         batch = ray.put(samples)
@@ -133,10 +147,12 @@ class GRPORecipe(common.Recipe):
                                        loss_masks=corrected.loss_masks if apply else None)
         timings["train"] = time.perf_counter() - t
 
-        # 4. sync weights: the engines serve the new policy from the next step on
-        t = time.perf_counter()
-        self.sync_weights(version=step)  # colocated: Adam's moments go to host memory before the engines wake
-        timings["weight_sync"] = time.perf_counter() - t
+        # 4. sync weights: the engines serve the new policy from the next step on (ahead of the trainer: from the
+        # batch after the one they are generating, in the next step's ``collect``)
+        if self.producer is None:
+            t = time.perf_counter()
+            self.sync_weights(version=step)  # colocated: Adam's moments go to host memory before the engines wake
+            timings["weight_sync"] = time.perf_counter() - t
 
         # 5. metrics: mismatch with and without replay on identical data, routing flips, correction, rewards, perf
         # (routing flips need the engine's routes: from the unreplayed pass, the only one under R2 and none)
@@ -166,6 +182,12 @@ class GRPORecipe(common.Recipe):
                 values.pop(key, None)
         values.update(corrected.metrics)
         values.update(rollout_stats)
+        if self.producer is not None:  # the engine mismatch alone, on the samples the trainer's weights generated
+            fresh = [i for i, s in enumerate(samples) if (s.weight_version or 0) == step - 1]
+            if fresh:
+                values[M.LOGPROB_ABS_DIFF_FRESH] = M.logprob_abs_diff(
+                    [replayed.logprobs[i] for i in fresh], [samples[i].rollout_logprobs for i in fresh],
+                    [samples[i].loss_mask for i in fresh])
         values.update({f"train/{k}": float(v) for k, v in train_out.items()
                        if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
         if self.colocated:  # what the trainer still held on its GPUs when the engines woke (0 on a CPU)
@@ -175,15 +197,71 @@ class GRPORecipe(common.Recipe):
             values[M.R2_REPLAYED_ROWS] = float(train_out["replayed_rows"])
         self.log_with_eval(step, values)
 
-    def rollout(self, step: int, prompts) -> tuple[list[Sample], dict[str, float]]:
-        """The step's graded samples (``Sample.reward``) and the rollout-side counters. With
+    def collect(self, step: int, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
+        """``max_staleness >= 1``: the step's samples, generated while the trainer trained the previous step (now,
+        on a run's first step and after a resume), with the samples older than the bound taken out of the loss.
+        Then the engines take the trainer's weights if the batch they start next would otherwise be trained more
+        than ``max_staleness`` versions after its weights, and start it: it is generated while this step trains."""
+        cfg = self.cfg
+        if self.ahead is None:
+            self.start_ahead(step)
+        ahead_step, prompts, future, _ = self.ahead
+        assert ahead_step == step, f"the batch ahead is step {ahead_step}'s, not step {step}'s"
+        generated, timings["generate"] = future.result()  # an engine that failed raises here, naming itself
+        self.ahead = None
+        samples, stats = self.rollout(step, prompts, generated)  # graded; DAPO's further rounds generated now
+        samples, stale = staleness.drop_stale(samples, step - 1, self.max_staleness)
+        if step < cfg.run.num_steps:
+            if staleness.must_sync(self.engine_version or 0, step - 1, self.max_staleness):
+                t = time.perf_counter()
+                self.sync_weights(version=step - 1)
+                timings["weight_sync"] = time.perf_counter() - t
+            self.start_ahead(step + 1)
+        timings.setdefault("weight_sync", 0.0)
+        return samples, {**stats, **stale}
+
+    def start_ahead(self, step: int) -> None:
+        data_state = self.dataset.state_dict()  # before the batch's prompts are drawn
+        prompts = next(self.batches)
+
+        def generate() -> tuple[list[Sample], float]:
+            t = time.perf_counter()
+            return self.generate(step, prompts), time.perf_counter() - t
+
+        self.ahead = (step, prompts, self.producer.submit(generate), data_state)
+
+    def data_state(self) -> dict:
+        """The data sampler's state for a checkpoint: from before the prompts of a batch generated ahead."""
+        return self.ahead[3] if self.ahead is not None else self.dataset.state_dict()
+
+    def before_eval(self, step: int) -> None:
+        """Ahead of the trainer, the engines still serve older weights: they finish their batch first (kept for
+        the next step), then take the weights after ``step``."""
+        if self.ahead is not None:
+            wait_quietly(self.ahead[2])
+        if self.producer is not None and (self.engine_version or 0) != step:
+            self.sync_weights(version=step)
+
+    def cleanup(self) -> None:
+        if self.producer is not None:
+            if self.ahead is not None:  # not in any checkpoint (the data state is from before it): let it go
+                wait_quietly(self.ahead[2])
+                self.ahead = None
+            self.producer.shutdown(wait=True)
+        super().cleanup()
+
+    def rollout(self, step: int, prompts, generated: list[Sample] | None = None
+                ) -> tuple[list[Sample], dict[str, float]]:
+        """The step's graded samples (``Sample.reward``) and the rollout-side counters (``generated``: the first
+        round's samples, generated already). With
         ``algorithm.dynamic_sampling`` the groups whose samples are all right or all wrong (raw accuracy: a grade of 1
         is right, partial credit never reaches it) are dropped and further prompt batches generated
         (``r3rl.train.dapo``); ``algorithm.overlong_buffer`` then lowers the rewards of responses near max_tokens."""
         cfg, alg = self.cfg, self.cfg.algorithm
 
         def one_round(r: int) -> list[Sample]:
-            samples = self.generate(step, prompts if r == 0 else next(self.batches), round_=r)
+            samples = generated if r == 0 and generated is not None else \
+                self.generate(step, prompts if r == 0 else next(self.batches), round_=r)
             for s in samples:
                 text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
                 s.reward = grade(cfg.reward, text, s.label, cfg.data.partial_credit)
@@ -227,6 +305,14 @@ class GRPORecipe(common.Recipe):
             # an aborted sample has no complete response: training on it would be silently off-policy
             raise EngineError(f"step {step}: samples {aborted} were aborted by the engine; nothing was trained")
         return samples
+
+
+def wait_quietly(future: Future) -> None:
+    """Wait for ``future`` without raising: its error is raised where its result is used."""
+    try:
+        future.exception()
+    except Exception:  # noqa: BLE001  (cancelled)
+        pass
 
 
 def replay_mismatch_rows(result) -> float:

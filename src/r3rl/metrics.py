@@ -136,6 +136,14 @@ FILTERED_GROUPS = "rollout/filtered_groups"
 GENERATION_ROUNDS = "rollout/generation_rounds"
 PADDED_GROUPS = "rollout/padded_groups"
 OVERLONG_PENALTY_MEAN = "rollout/overlong_penalty_mean"
+# algorithm.max_staleness >= 1: trainer versions between the weights that generated a sample and the weights it is
+# trained from (its log-probs' policy), mean and max over the step's samples; samples dropped for exceeding the bound
+STALENESS_MEAN = "rollout/staleness_mean"
+STALENESS_MAX = "rollout/staleness_max"
+DROPPED_STALE = "rollout/dropped_stale"
+# train/logprob_abs_diff over the samples of staleness 0 only: the engine mismatch without the policy lag
+# (absent from a step that has none)
+LOGPROB_ABS_DIFF_FRESH = "train/logprob_abs_diff_fresh"
 REWARD_STDERR = "rollout/reward_stderr"
 RESPONSE_LENGTH_MEAN = "rollout/response_length_mean"
 RESPONSE_LENGTH_MIN = "rollout/response_length_min"
@@ -447,7 +455,9 @@ def perf_metrics(
     """``perf/<stage>_time_s`` per stage, ``perf/step_time_s`` (given, else the sum of the stages) and throughputs.
 
     ``perf/tokens_per_s`` = prompt + response tokens of the step over the step time; ``perf/rollout_tokens_per_s``
-    = generated tokens over the rollout time.
+    = generated tokens over the generation's own time (stage ``generate``, timed where it ran: with
+    ``algorithm.max_staleness >= 1`` it overlaps training, and ``rollout`` is only the wait for it), else over the
+    rollout time.
     """
     out: dict[str, float] = {}
     for stage, seconds in timings_s.items():
@@ -459,7 +469,7 @@ def perf_metrics(
         out[PERF_STEP_TIME] = step
     if num_tokens is not None and step > 0:
         out[PERF_TOKENS_PER_S] = num_tokens / step
-    rollout_s = timings_s.get("rollout")
+    rollout_s = timings_s.get("generate", timings_s.get("rollout"))
     if num_response_tokens is not None and rollout_s:
         out[PERF_ROLLOUT_TOKENS_PER_S] = num_response_tokens / float(rollout_s)
     return out

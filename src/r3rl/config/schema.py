@@ -174,6 +174,7 @@ class GRPOConfig(Frozen):
     kl_coef: float = 0.0
     # DAPO (r3rl.train.dapo): drop groups of all-equal raw accuracy and generate more prompts until the batch is full
     dynamic_sampling: bool = False
+    max_staleness: int = 0
     max_generation_rounds: int = 10
     # DAPO's soft overlong punishment over the last overlong_buffer tokens before max_tokens (0: off)
     overlong_buffer: int = 0

@@ -278,6 +278,10 @@ def validate(cfg: R3RLConfig) -> None:
           f"must be in [0, rollout.sampling.max_tokens={ro.sampling.max_tokens}), got {alg.overlong_buffer}")
     check(alg.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor",
           f"must be >= 0, got {alg.overlong_penalty_factor}")
+    check(alg.max_staleness >= 0, "algorithm.max_staleness", f"must be >= 0, got {alg.max_staleness}")
+    check(alg.max_staleness == 0 or not par.colocated, "algorithm.max_staleness",
+          f"{alg.max_staleness} overlaps generation with training, which needs the engines on GPUs of their own; "
+          "parallelism.colocated=true shares them with the trainer (use 0, or a disaggregated parallelism=)")
 
     # recipe: grpo (the default) or sft, and SFT's own batch and data
     check(cfg.recipe.name in RECIPE_NAMES, "recipe", f"must be one of {RECIPE_NAMES}, got {cfg.recipe.name!r}")

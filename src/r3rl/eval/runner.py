@@ -60,6 +60,10 @@ class Evaluator:
             samples = asyncio.run(self._generate(s, step, stop))
             if any(x.status == SampleStatus.ABORTED for x in samples):
                 raise EngineError(f"eval {s.name} at step {step}: the engine aborted samples")
+            served = sorted({x.weight_version or 0 for x in samples})
+            if step > 0 and served != [step]:  # step 0: whatever an attached engine held, possibly labelled before
+                raise EngineError(f"eval {s.name} at step {step}: the engines served weight version(s) {served}, "
+                                  f"not step {step}'s: the eval would score another policy")
             texts = [self.tokenizer.decode(x.response_ids, skip_special_tokens=True) for x in samples]
             rewards = [s.score(t, x.label) for t, x in zip(texts, samples)]
             n, k = s.cfg.n_samples_per_prompt, s.k

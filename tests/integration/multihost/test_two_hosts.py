@@ -65,13 +65,16 @@ def test_two_node_job_brings_ray_up_on_both_hosts_and_tears_it_down(slurm2, laun
 
 @slow
 def test_recipe_trains_on_host_a_and_serves_from_host_b(slurm2, launch2, hosts, tmp_path):
-    """parallelism=cpu_2n: the trainer on host A, the vLLM engine on host B; rollouts with routed experts, replay,
-    and weight sync all cross the veth, and W&B (offline) gets both mismatch metrics at every step."""
+    """parallelism=cpu_2n: the trainer on host A, the vLLM engine on host B, one step off-policy
+    (algorithm.max_staleness=1: B generates the next batch while A trains); rollouts with routed experts, replay, and
+    weight sync all cross the veth, and W&B (offline) gets both mismatch metrics and the staleness at every step.
+    Fails if the batch generated ahead lost its routes or version on the way, or if B skipped the sync before
+    step 3's batch (its samples would be 2 versions old and dropped)."""
     a, b = hosts.hosts
     out = tmp_path / "run"
     job = launch2.submit("--nodes=2", "--gres=gpu:1", overrides=(
-        "parallelism=cpu_2n", *PLUMBING, f"run.output_dir={out}", "run.num_steps=2", "run.eval_every=0",
-        "logger.wandb.mode=offline"))
+        "parallelism=cpu_2n", *PLUMBING, f"run.output_dir={out}", "run.num_steps=3", "run.eval_every=0",
+        "logger.wandb.mode=offline", "algorithm.max_staleness=1"))
     info = slurm2.wait_job(job, RUN_TIMEOUT)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), launch2.output(job)[-6000:]
 
@@ -82,13 +85,15 @@ def test_recipe_trains_on_host_a_and_serves_from_host_b(slurm2, launch2, hosts, 
 
     [run] = read_runs(out)
     steps = {row["_step"]: row for row in run.history}
-    assert sorted(steps) == [1, 2]
+    assert sorted(steps) == [1, 2, 3]
     for step, row in steps.items():
         for key in (M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.perf_time_key("weight_sync")):
             assert key in row, f"step {step} lacks {key}"
         # the routes came back from host B and Megatron on host A replayed exactly them
         assert row[M.REPLAY_MISMATCH_ROWS] == 0.0
-    assert checkpoint.read_meta(checkpoint.latest(out)).step == 2
+        assert row[M.STALENESS_MAX] == (0 if step == 1 else 1) and row[M.DROPPED_STALE] == 0
+    assert steps[2][M.perf_time_key("weight_sync")] > 0  # before step 3's batch, across the veth
+    assert checkpoint.read_meta(checkpoint.latest(out)).step == 3
     launch2.assert_nothing_left(job)
 
 
