@@ -153,9 +153,14 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, t
     assert_nothing_left(run_dir)
 
 
-def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["in_turn", "generating_ahead"])
+def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, tiny_model_dir, max_staleness):
+    """The engine's process group is killed under the running recipe (with max_staleness 1, while it generates the
+    batch ahead): exit 1, an error naming the engine, the last completed step's checkpoint, nothing left running.
+    Fails if the producer thread's failure were lost (the run would hang on its batch, or end as a success)."""
     run_dir = tmp_path / "dead_engine"
-    proc = start_recipe(run_dir, "run.num_steps=4", "run.save_every=1", "run.eval_every=0")
+    proc = start_recipe(run_dir, "run.num_steps=6", "run.save_every=1", "run.eval_every=0",
+                        f"algorithm.max_staleness={max_staleness}")
     try:
         wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
         engine = json.loads((run_dir / "processes.json").read_text())["engines"][0]

@@ -28,14 +28,48 @@ def prefix_cache_hits(url: str) -> float:
                if line.startswith("vllm:prefix_cache_hits_total"))
 
 
+# two trainer ranks, expert parallel 2: rank 1 holds experts 4-7 of every layer
+EP2 = ("parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2", "parallelism.trainer.expert_parallel=2",
+       "trainer.micro_batch_size=2")
+
+
+def sync_cfg(compose_cfg, tmp_path, *overrides: str):
+    return compose_cfg("parallelism=cpu", *PLUMBING, *EP2, f"run.output_dir={tmp_path}", "run.eval_every=0",
+                       "rollout.engine.dtype=float32", "logger.wandb.mode=disabled",
+                       f"rollout.engine.base_port={free_port()}", "rollout.weight_sync.bucket_mb=0.5",
+                       # a large step so one update visibly moves the log-probs
+                       "trainer.lr=0.01", *overrides)
+
+
+def assert_each_rank_sent_its_own(url: str, cfg, tiny_model_dir) -> None:
+    """The engine received experts 0..E/2-1 and every dense tensor from rank 0, experts E/2.. from rank 1 (float32
+    trainer; a part's buffer adds at most 63 bytes of alignment per tensor), and nothing else."""
+    from safetensors import safe_open
+
+    stats = httpx.post(f"{url}/collective_rpc", json={"method": "r3rl_transfer_stats"}, timeout=60).json()
+    received = {int(r): n for r, n in stats["results"][0]["received_from"].items()}
+    owned, count = {0: 0, 1: 0}, {0: 0, 1: 0}
+    for f in sorted(tiny_model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                m = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+                rank = int(m is not None and int(m.group(1)) >= cfg.model.num_experts // 2)
+                owned[rank] += int(np.prod(fh.get_slice(name).get_shape())) * 4
+                count[rank] += 1
+    assert set(received) == {0, 1}, received
+    for rank in (0, 1):
+        assert owned[rank] <= received[rank] < owned[rank] + 64 * count[rank], (rank, received, owned)
+    assert stats["results"][0]["received_tensors"] == count[0] + count[1]
+
+
 def test_each_sync_serves_the_trainers_weights_and_no_stale_prefix(tmp_path, compose_cfg, tiny_model_dir):
+    """Two trainer ranks, each sending its own part of every bucket by file (one host): after each sync the engine
+    serves the trainer's log-probs, labelled with the step, with nothing stale from the prefix cache, and rank 1's
+    experts came from rank 1. Fails if the trainer gathered to rank 0 again (rank 1 would send nothing), if a part
+    were announced under the wrong sender or file, or if the prefix cache survived a sync."""
     from recipes.grpo import GRPORecipe
 
-    cfg = compose_cfg("parallelism=cpu", *PLUMBING, f"run.output_dir={tmp_path}", "run.num_steps=2", "run.eval_every=0",
-                      "rollout.engine.dtype=float32", "logger.wandb.mode=disabled",
-                      f"rollout.engine.base_port={free_port()}", "rollout.weight_sync.bucket_mb=0.5",
-                      # a large step so one update visibly moves the log-probs
-                      "trainer.lr=0.01")
+    cfg = sync_cfg(compose_cfg, tmp_path, "run.num_steps=2")
     recipe = GRPORecipe(cfg)
     try:
         recipe.setup()
@@ -63,6 +97,7 @@ def test_each_sync_serves_the_trainers_weights_and_no_stale_prefix(tmp_path, com
             # ... and the previous sync's log-probs are another policy's
             assert np.max(np.abs(previous.rollout_logprobs - trainer[1])) > 1e-3
             previous = probe
+            assert_each_rank_sent_its_own(url, cfg, tiny_model_dir)
         # nothing went through disk
         assert not (tmp_path / "weights").exists()
     finally:
@@ -107,24 +142,14 @@ def test_engine_killed_mid_transfer_ends_the_run_naming_it_and_keeps_the_checkpo
     assert_nothing_left(run_dir)
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm_files", "sockets"])
-def test_every_trainer_rank_sends_its_own_experts_and_the_engine_serves_the_trainers_weights(
-        tmp_path, compose_cfg, tiny_model_dir, shared_memory):
-    """Two trainer ranks (expert parallel 2) and one engine: each rank sends the part of every bucket it owns, rank 1
-    its half of the experts (by file or over gloo's sockets), and nothing of rank 1's passes through rank 0; after
-    the sync the engine serves exactly the trainer's weights. Fails if the trainer gathered to rank 0 again (rank 1
-    would send nothing), if a part were announced under the wrong sender (the engine would receive another rank's
-    bytes, or hang until the timeout), or if the parts' order in an update disagreed with the names."""
-    from safetensors import safe_open
-
+def test_every_trainer_rank_sends_its_own_experts_over_sockets(tmp_path, compose_cfg, tiny_model_dir):
+    """The same two trainer ranks with ``rollout.weight_sync.shared_memory=false`` (what two hosts use): each rank's
+    part goes point to point to the engine worker, tagged with its bucket, and the engine then serves the trainer's
+    weights. Fails if a part were received from the wrong rank or bucket (the log-probs would disagree, or the
+    receive would wait out its timeout)."""
     from recipes.grpo import GRPORecipe
 
-    cfg = compose_cfg("parallelism=cpu", *PLUMBING, f"run.output_dir={tmp_path}", "run.num_steps=1",
-                      "run.eval_every=0", "rollout.engine.dtype=float32", "logger.wandb.mode=disabled",
-                      f"rollout.engine.base_port={free_port()}", "rollout.weight_sync.bucket_mb=0.5",
-                      f"rollout.weight_sync.shared_memory={str(shared_memory).lower()}", "trainer.lr=0.01",
-                      "parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2",
-                      "parallelism.trainer.expert_parallel=2", "trainer.micro_batch_size=2")
+    cfg = sync_cfg(compose_cfg, tmp_path, "run.num_steps=1", "rollout.weight_sync.shared_memory=false")
     recipe = GRPORecipe(cfg)
     try:
         recipe.setup()
@@ -138,25 +163,7 @@ def test_every_trainer_rank_sends_its_own_experts_and_the_engine_serves_the_trai
         trainer = recipe.trainers.call("logprobs", [probe, before], replay=True).logprobs
         np.testing.assert_allclose(probe.rollout_logprobs, trainer[0], atol=1e-4)
         assert np.max(np.abs(before.rollout_logprobs - trainer[1])) > 1e-3
-
-        stats = httpx.post(f"{url}/collective_rpc", json={"method": "r3rl_transfer_stats"},
-                           timeout=60).json()["results"][0]
-        received = {int(r): n for r, n in stats["received_from"].items()}
-        # the bytes each rank owns: experts 0..E/2-1 and every dense tensor on rank 0, experts E/2.. on rank 1
-        # (float32 trainer); a part's buffer adds at most 63 bytes of alignment per tensor
-        num_experts = cfg.model.num_experts
-        owned, count = {0: 0, 1: 0}, {0: 0, 1: 0}
-        for f in sorted(tiny_model_dir.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
-                    m = re.search(r"\.mlp\.experts\.(\d+)\.", name)
-                    rank = int(m is not None and int(m.group(1)) >= num_experts // 2)
-                    owned[rank] += int(np.prod(fh.get_slice(name).get_shape())) * 4
-                    count[rank] += 1
-        assert set(received) == {0, 1}, received
-        for rank in (0, 1):
-            assert owned[rank] <= received[rank] < owned[rank] + 64 * count[rank], (rank, received, owned)
-        assert stats["received_tensors"] == count[0] + count[1]
+        assert_each_rank_sent_its_own(url, cfg, tiny_model_dir)
     finally:
         recipe.cleanup()
     assert_nothing_left(tmp_path)
