@@ -183,13 +183,15 @@ class GlooWire(Wire):
 
     # -- single sender ------------------------------------------------------------------------------------------
     def updates(self, bucket: list[tuple[str, Any]]) -> Iterator[Update]:
+        from r3rl.sync.gloo_engine import packed_offsets
+
         if not bucket:
             return
         staged, by_file = self.stage(bucket)
         info = {**_meta(bucket), "parts": [[self.rank, len(bucket)]], "tag": self._count - 1}
         if by_file:
             info["shm_paths"] = [str(self._shm_files[(self._count - 1) % self.slots])]
-            yield Update(info, len(bucket), _nbytes_packed(info))
+            yield Update(info, len(bucket), packed_offsets(info["dtype_names"], info["shapes"])[1])
             return
         yield Update(info, len(bucket), staged.numel(), transmit=lambda: self.transmit(staged))
 
@@ -202,12 +204,6 @@ class GlooWire(Wire):
         self.group = self._store = self._buf = None
         if self._shm_cleanup is not None:
             self._shm_cleanup()
-
-
-def _nbytes_packed(info: dict[str, Any]) -> int:
-    from r3rl.sync.gloo_engine import packed_offsets
-
-    return packed_offsets(info["dtype_names"], info["shapes"])[1]
 
 
 def _unlink(paths: list[Path]) -> None:

@@ -164,9 +164,6 @@ class HFBucketStream:
         """Every HF tensor of the whole model, in stream order (the same list on every rank)."""
         return [t for item in self.items for t in item.hf]
 
-    def bucket_metadata(self) -> list[list[TensorMeta]]:
-        return [[t for item in b for t in item.hf] for b in self.buckets]
-
     def bucket_parts(self) -> list[list[tuple[int, list[TensorMeta]]]]:
         """Per bucket, ``(owner rank, its tensors)`` by rank: what ``stream(dst=None)`` yields on each owner, so a
         rank that sends only its own part can be announced by another (the same lists on every rank)."""
