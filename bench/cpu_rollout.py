@@ -1,17 +1,18 @@
 """CPU rollout speed: the real engine against ``transformers``' ``generate`` on the same checkpoint, in one run.
 
-    python bench/cpu_rollout.py [--prompts 16] [--samples 8] [--max-tokens 16] [--repeats 2] [override ...]
+    python bench/cpu_rollout.py [--prompts 16] [--samples 8] [--max-tokens 16] [--repeats 5] [override ...]
 
 The engine is the plan's (``rollout=vllm_r3`` by default: routes on, bfloat16, r3rl's CPU environment), started once;
 each timed batch goes through ``RolloutClient`` (HTTP, route decoding and validation included): ``--prompts``
 arithmetic prompts x ``--samples`` samples, ``--max-tokens`` new tokens, temperature 1. ``generate`` gets the same
 prompts repeated ``--samples`` times as one left-padded batch, sampling, the same dtype, and as many torch threads as
-the engine's worker uses. Tokens/s = generated tokens / wall time (median over ``--repeats``).
+the engine's worker uses (``rollout.engine.cpu_threads``: 1 on the CPU scale). Tokens/s = generated tokens / wall
+time, median over ``--repeats`` timed batches of each, taken in turn (engine, generate, engine, ...).
 
 It also reports the share of the engine worker's time spent in Triton's interpreter during the timed batches (the
 worker clocks every interpreted launch: ``R3RLWorkerExtension.r3rl_interpreter_clock``) and which kernels those
 were, and the CPU time each engine process used per second of those batches (a process that spins while it waits
-shows up as a busy core). ``override`` (Hydra) changes the engine, e.g. ``'rollout.engine.extra_env={R3RL_MRV2_TORCH_KERNELS: "0"}'``
+shows up as a busy core). ``override`` (Hydra) changes the engine, e.g. ``'+rollout.engine.extra_env={R3RL_MRV2_TORCH_KERNELS: "0"}'``
 for the interpreted kernels. Last line: ``engine/hf generate tokens/s ratio: <r>``.
 """
 
@@ -43,53 +44,64 @@ def rpc(url: str, method: str, *args) -> object:
     return reply.json()["results"][0]
 
 
-def engine_rate(cfg, prompts: list[list[int]], samples: int, sampling: SamplingConfig, repeats: int,
-                log_dir: Path) -> dict:
+def side_by_side(cfg, checkpoint: str, prompts: list[list[int]], samples: int, sampling: SamplingConfig,
+                 repeats: int, dtype: str, log_dir: Path) -> tuple[dict, dict]:
+    """Timed engine batches and ``generate`` batches in turn (engine, generate, engine, ...), so both see the same
+    machine: on a shared 2-core box a ratio of two runs minutes apart moved by +-15%."""
     launch = build_plan(cfg).engines[0]
     with VLLMEngine.launch(launch, log_dir, cfg.rollout.engine.startup_timeout_s) as engine:
         client = RolloutClient.from_config(cfg, [engine.url], progress=False, max_concurrency=len(prompts) * samples)
         client.generate_sync(prompts, samples, sampling)  # warm-up: every batch shape the timed runs see
         info = rpc(engine.url, "r3rl_worker_info")
+        hf = HFGenerate(checkpoint, prompts, samples, sampling.max_tokens, dtype, info["torch_threads"])
+        hf.run()  # warm-up
         rpc(engine.url, "r3rl_interpreter_clock", True)
         procs = [psutil.Process(pid) for pid in engine.process_tree() if psutil.pid_exists(pid)]
-        cpu0 = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
-        rates, walls = [], 0.0
+        names = {p.pid: f"{p.pid} {p.name()}" for p in procs}
+        cpu = {p.pid: 0.0 for p in procs}
+        rates, hf_rates, walls = [], [], 0.0
         for _ in range(repeats):
+            before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
             t0 = time.perf_counter()
             out = client.generate_sync(prompts, samples, sampling)
             wall = time.perf_counter() - t0
+            for p in procs:
+                cpu[p.pid] += sum(p.cpu_times()[:2]) - before[p.pid]
             walls += wall
             rates.append(sum(s.response_length for s in out) / wall)
             assert all(s.routed_experts is not None for s in out) or not cfg.rollout.routing_replay
-        cpu = {f"{p.pid} {p.name()}": sum(p.cpu_times()[:2]) - cpu0[p.pid] for p in procs if p.is_running()}
+            hf_rates.append(hf.run())
         clock = rpc(engine.url, "r3rl_interpreter_clock", False)
-    return {"cpu_s": cpu, "tok_s": statistics.median(rates), "runs": rates, "threads": info["torch_threads"],
-            "stand_ins": info["stand_ins"], "interpreted_s": clock["seconds"], "wall_s": walls,
-            "kernels": clock["kernels"]}
+    return ({"cpu_s": {names[pid]: seconds for pid, seconds in cpu.items()}, "tok_s": statistics.median(rates),
+             "runs": rates, "threads": info["torch_threads"], "stand_ins": info["stand_ins"],
+             "interpreted_s": clock["seconds"], "wall_s": walls, "kernels": clock["kernels"]},
+            {"tok_s": statistics.median(hf_rates), "runs": hf_rates})
 
 
-def hf_rate(checkpoint: str, prompts: list[list[int]], samples: int, max_tokens: int, dtype: str, threads: int,
-            repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class HFGenerate:
+    """``transformers``' ``generate`` on the same prompts, each repeated ``samples`` times as one left-padded batch."""
 
-    torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=getattr(torch, dtype)).eval()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    rows = [p for p in prompts for _ in range(samples)]
-    width = max(len(p) for p in rows)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
-    kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_tokens,
-                  min_new_tokens=max_tokens, pad_token_id=pad)
-    with torch.inference_mode():
-        model.generate(ids, **kwargs)  # warm-up
-        rates = []
-        for _ in range(repeats):
+    def __init__(self, checkpoint: str, prompts: list[list[int]], samples: int, max_tokens: int, dtype: str,
+                 threads: int) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        rows = [p for p in prompts for _ in range(samples)]
+        self.width = max(len(p) for p in rows)
+        self.ids = torch.tensor([[pad] * (self.width - len(p)) + p for p in rows])
+        mask = torch.tensor([[0] * (self.width - len(p)) + [1] * len(p) for p in rows])
+        self.kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                           max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad)
+
+    def run(self) -> float:
+        """One batch; generated tokens/s."""
+        with torch.inference_mode():
             t0 = time.perf_counter()
-            out = model.generate(ids, **kwargs)
-            rates.append((out.shape[1] - width) * len(rows) / (time.perf_counter() - t0))
-    return {"tok_s": statistics.median(rates), "runs": rates}
+            out = self.model.generate(self.ids, **self.kwargs)
+            return (out.shape[1] - self.width) * self.ids.shape[0] / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -97,7 +109,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the engine")
     args = parser.parse_args()
     cfg = compose(["model=tiny_moe", "rollout=vllm_r3", f"rollout.engine.base_port={free_port()}", *args.overrides])
@@ -109,11 +121,10 @@ def main() -> None:
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=1234)
     dtype = build_plan(cfg).engine_dtype
     with tempfile.TemporaryDirectory(prefix="r3rl-bench-") as tmp:
-        engine = engine_rate(cfg, prompts, args.samples, sampling, args.repeats, Path(tmp))
-    hf = hf_rate(checkpoint, prompts, args.samples, args.max_tokens, dtype, engine["threads"], args.repeats)
+        engine, hf = side_by_side(cfg, checkpoint, prompts, args.samples, sampling, args.repeats, dtype, Path(tmp))
 
     print(f"workload: {args.prompts} prompts x {args.samples} samples, {args.max_tokens} new tokens, temperature 1, "
-          f"{dtype}, {engine['threads']} torch thread(s) on both sides, {args.repeats} timed runs each")
+          f"{dtype}, {engine['threads']} torch thread(s) on both sides, {args.repeats} timed runs each, in turn")
     print(f"engine: MRv2 kernels {'as torch stand-ins' if engine['stand_ins'] else 'in the Triton interpreter'} "
           f"({len(engine['stand_ins'])} swapped)")
     for name, r in (("engine (HTTP, routes)", engine), ("hf generate", hf)):

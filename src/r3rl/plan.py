@@ -185,6 +185,8 @@ def engine_env(cfg: R3RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
     }
     if cfg.parallelism.device == "cpu":
         env.update(cpu_engine_env())
+        if cfg.rollout.engine.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(cfg.rollout.engine.cpu_threads)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if weight_sync_backend(cfg) == "ipc":

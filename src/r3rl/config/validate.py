@@ -211,6 +211,10 @@ def validate(cfg: R3RLConfig) -> None:
     check(1024 <= ro.engine.base_port and ro.engine.base_port + par.rollout.num_engines <= 65535,
           "rollout.engine.base_port", f"engines need ports {ro.engine.base_port}..+{par.rollout.num_engines} in 1024-65535")
     check(ro.engine.max_concurrency >= 1, "rollout.engine.max_concurrency", "must be >= 1")
+    check(ro.engine.cpu_threads is None or ro.engine.cpu_threads >= 1, "rollout.engine.cpu_threads",
+          f"must be null or >= 1, got {ro.engine.cpu_threads}")
+    check(ro.engine.cpu_threads is None or par.device == "cpu", "rollout.engine.cpu_threads",
+          f"sets the threads of a CPU engine; parallelism.device={par.device!r} (leave it null)")
     # several nodes: the driver on node 0 must reach every engine, and a fixed address exists on one node only
     host = ro.engine.host
     if par.nnodes > 1 and host not in ("auto", "0.0.0.0", "::"):

@@ -1,8 +1,9 @@
 """The rollout client: prompts in, validated ``Sample``s out, over one or more vLLM engines.
 
-Requests go to ``/inference/v1/generate`` with bounded concurrency per engine; a prompt's samples go to the same
-engine (they share the prompt's prefix cache). Seeds are a function of (step, sample index), so a rollout is
-reproducible whatever the engine count or the order requests finish in.
+Requests go to ``/inference/v1/generate`` with bounded concurrency per engine (``max_concurrency`` samples in
+flight); a prompt's samples go to the same engine in one request (vLLM's ``n``; they share the prompt's prefix
+cache). Seeds are a function of (step, sample index), so a rollout is reproducible whatever the engine count or
+the order requests finish in; an aborted sample goes again alone with its own seed.
 
 Ending a rollout early: ``pause_abort()`` pauses every engine with ``mode=abort`` (requests in flight come back
 ``finish_reason="abort"``) and waits until they are all back; ``resume()`` restarts the engines. Aborted samples
@@ -13,24 +14,46 @@ with ``on_abort="drop"`` they (and samples not yet sent) are left out of the res
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 from collections.abc import Sequence
 from typing import Literal
 
+import aiohttp
 import httpx
 from tqdm.auto import tqdm
 
 from r3rl.config.schema import SamplingConfig
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RouteSpec
-from r3rl.rollout.wire import GENERATE_PATH, request_body, sample_from_body, sample_seed
+from r3rl.rollout.wire import GENERATE_PATH, request_body, sample_seed, samples_from_body, samples_named
 from r3rl.sample import Sample, SampleStatus
 
 OnAbort = Literal["regenerate", "drop"]
 
+# A response smaller than this is parsed on the event loop: a worker thread per sample costs more than the parse
+# (with 128 short samples in flight the thread hand-offs took a sixth of the client's time, bench/cpu_rollout.py)
+_PARSE_INLINE_BYTES = 256 * 1024
+
 # Samples finish in bursts (the engine decodes a batch together), so a rate or an ETA taken from the first ones is
 # far off (it read 1:23 for a rollout of about 17 s): the bar shows the count and the elapsed time only.
 _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
+
+
+async def _all_or_cancel(coroutines) -> list:
+    """The coroutines' results, in order; the first exception cancels the others, and no task outlives the call."""
+    tasks = [asyncio.create_task(c) for c in coroutines]
+    try:
+        if tasks:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def rollout_bar(total: int, step: int, *, enabled: bool, file=None, desc: str | None = None) -> tqdm:
@@ -83,62 +106,59 @@ class RolloutClient:
             raise ValueError(f"max_tokens: expected {len(prompts)} (one per prompt), got {len(max_tokens)}")
         self._ensure_loop_state()
         routes = self.spec if self.routing_replay else None
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        timeout = httpx.Timeout(self.request_timeout_s, connect=30.0)
-        clients = {u: httpx.AsyncClient(base_url=u, limits=limits, timeout=timeout) for u in self.urls}
-        gates = {u: asyncio.Semaphore(self.max_concurrency) for u in self.urls}
+        # aiohttp, not httpx, for the requests of a rollout: with 128 requests in flight httpx's connection pool
+        # (a scan of every connection per request) and request building cost more CPU than the engine's decoding,
+        # and the engine waited for its requests (rollout tokens/s x1.8 with aiohttp, bench/cpu_rollout.py)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=30.0)
+        clients = {u: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+                   for u in self.urls}
+        # One request per prompt for its n samples (vLLM seeds sample j with seed + j, the seeds of one-sample
+        # requests): 8x fewer requests than one per sample, whose handling in the API server and here kept the CPU
+        # engine waiting (bench/cpu_rollout.py). A request holds at most max_concurrency samples.
+        chunk = max(1, min(n, self.max_concurrency))
+        gates = {u: asyncio.Semaphore(max(1, self.max_concurrency // chunk)) for u in self.urls}
         bar = rollout_bar(len(prompts) * n, step, enabled=self.progress, desc=progress_label)
 
-        async def one(index: int, group: int) -> Sample | None:
+        async def request(group: int, start: int, count: int, attempt: int) -> list[Sample]:
+            """Samples ``start .. start + count - 1`` of ``group``; aborted ones again one by one, or dropped."""
             url = self.urls[group % len(self.urls)]
             prompt = prompts[group]
-            seed = sample_seed(sampling.seed, step, index)
-            attempt = 0
+            first = group * n + start
             while True:
                 if self._aborting and self.on_abort == "drop":
-                    return None
+                    return []
                 assert self._running is not None
                 await self._running.wait()
-                rid = f"r3rl-{self._nonce}-s{step}-{index}-a{attempt}"
-                body = request_body(rid, prompt, sampling, seed, stop_token_ids,
-                                    None if max_tokens is None else max_tokens[group])
+                rid = f"r3rl-{self._nonce}-s{step}-{first}{f'x{count}' if count > 1 else ''}-a{attempt}"
+                body = request_body(rid, prompt, sampling, sample_seed(sampling.seed, step, first), stop_token_ids,
+                                    None if max_tokens is None else max_tokens[group], n=count)
                 async with gates[url]:
                     if not self._running.is_set():
                         continue  # paused while waiting for a slot: never send into a paused engine
-                    raw = await self._post(clients[url], url, body, index, rid)
-                # Off the event loop: a 32K-token response is a 17 MB JSON string (~20 ms to parse) plus ~4 ms of
-                # routes decode; in a worker thread the loop keeps reading other responses (the decode releases
-                # the GIL, and the parse yields it every switch interval instead of holding the loop throughout).
-                sample = await asyncio.to_thread(
-                    sample_from_body, raw, url=url, index=index, group=group, request_id=rid, prompt=prompt,
-                    routes=routes, label=None if labels is None else labels[group])
-                if sample.status is not SampleStatus.ABORTED:
-                    bar.update(1)
-                    return sample
-                if self.on_abort == "drop":
-                    return None
-                attempt += 1
+                    raw = await self._post(clients[url], url, body, samples_named(first, count), rid)
+                break
+            # A long response off the event loop: a 32K-token one is a 17 MB JSON string (~20 ms to parse) plus
+            # ~4 ms of routes decode; in a worker thread the loop keeps reading other responses (the decode
+            # releases the GIL, and the parse yields it every switch interval instead of holding the loop).
+            parse = functools.partial(samples_from_body, raw, url=url, first_index=first, count=count, group=group,
+                                      request_id=rid, prompt=prompt, routes=routes,
+                                      label=None if labels is None else labels[group])
+            samples = await asyncio.to_thread(parse) if len(raw) > _PARSE_INLINE_BYTES else parse()
+            kept = [s for s in samples if s.status is not SampleStatus.ABORTED]
+            bar.update(len(kept))
+            aborted = [s.index - group * n for s in samples if s.status is SampleStatus.ABORTED]
+            if not aborted or self.on_abort == "drop":
+                return kept
+            again = await _all_or_cancel(request(group, j, 1, attempt + 1) for j in aborted)
+            return kept + [s for batch in again for s in batch]
 
-        tasks = [asyncio.create_task(one(p * n + j, p)) for p in range(len(prompts)) for j in range(n)]
-        if not tasks:
-            bar.close()
-            await asyncio.gather(*(c.aclose() for c in clients.values()))
-            return []
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-            for task in tasks:
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-            return [s for s in (t.result() for t in tasks) if s is not None]
+            batches = await _all_or_cancel(request(p, start, min(chunk, n - start), 0)
+                                           for p in range(len(prompts)) for start in range(0, n, chunk))
+            return sorted((s for batch in batches for s in batch), key=lambda s: s.index)
         finally:
-            for task in tasks:
-                task.cancel()
             bar.close()
-            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+            await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
 
     def generate_sync(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
                       **kwargs) -> list[Sample]:
@@ -149,28 +169,29 @@ class RolloutClient:
         finally:
             self._running = None
 
-    async def _post(self, client: httpx.AsyncClient, url: str, body: dict, index: int, rid: str) -> bytes:
+    async def _post(self, client: aiohttp.ClientSession, url: str, body: dict, named: str, rid: str) -> bytes:
         self._in_flight += 1
         try:
-            resp = await client.post(GENERATE_PATH, json=body)
-        except httpx.TimeoutException as err:
-            raise EngineError(f"engine {url}: sample {index} (request {rid}) got no answer within "
+            async with client.post(f"{url}{GENERATE_PATH}", json=body) as resp:
+                status, content = resp.status, await resp.read()
+        except asyncio.TimeoutError as err:  # aiohttp's timeouts are TimeoutErrors
+            raise EngineError(f"engine {url}: {named} (request {rid}) got no answer within "
                               f"{self.request_timeout_s:.0f}s ({type(err).__name__})", url=url) from err
-        except httpx.HTTPError as err:
-            raise EngineError(f"engine {url} failed during sample {index} (request {rid}): "
+        except aiohttp.ClientError as err:
+            raise EngineError(f"engine {url} failed during {named} (request {rid}): "
                               f"{type(err).__name__}: {err or 'connection lost'} (did the server die?)",
                               url=url) from err
         finally:
             self._in_flight -= 1
             if self._in_flight == 0 and self._drained is not None:
                 self._drained.set()
-        if resp.status_code == 404:
+        if status == 404:
             raise EngineError(f"engine {url}: {GENERATE_PATH} not found; the server needs --enable-scale-out "
                               "(r3rl.plan adds it)", url=url)
-        if resp.status_code != 200:
-            raise EngineError(f"engine {url}: sample {index} (request {rid}) failed with HTTP {resp.status_code}: "
-                              f"{resp.text[:2000]}", url=url)
-        return resp.content
+        if status != 200:
+            raise EngineError(f"engine {url}: {named} (request {rid}) failed with HTTP {status}: "
+                              f"{content[:2000].decode(errors='replace')}", url=url)
+        return content
 
     # -- ending a rollout early ---------------------------------------------------------------------------------
     def _ensure_loop_state(self) -> None:

@@ -34,7 +34,10 @@ def sample_seed(base_seed: int, step: int, index: int) -> int:
 
 
 def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfig, seed: int,
-                 stop_token_ids: Sequence[int] | None = None, max_tokens: int | None = None) -> dict[str, Any]:
+                 stop_token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
+                 n: int = 1) -> dict[str, Any]:
+    """One request for ``n`` samples of ``prompt``; vLLM seeds its ``j``-th sample with ``seed + j`` (its parallel
+    sampling), so the samples are those of ``n`` one-sample requests seeded ``seed .. seed + n - 1``."""
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -45,9 +48,16 @@ def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfi
         # token ids in, token ids out: no detokenization work on the server
         "detokenize": False,
     }
+    if n > 1:
+        params["n"] = n
     if stop_token_ids:
         params["stop_token_ids"] = [int(t) for t in stop_token_ids]
     return {"request_id": request_id, "token_ids": [int(t) for t in prompt], "sampling_params": params}
+
+
+def samples_named(first: int, count: int) -> str:
+    """How errors name the samples of one request: ``sample 3`` or ``samples 8-15``."""
+    return f"sample {first}" if count == 1 else f"samples {first}-{first + count - 1}"
 
 
 def status_from_finish_reason(finish_reason: object, *, url: str, index: int, request_id: str) -> SampleStatus:
@@ -89,30 +99,53 @@ def _logprobs(content: list, bad) -> np.ndarray:
 
 
 def sample_from_body(raw: bytes, *, url: str, index: int, request_id: str, **kwargs: Any) -> Sample:
-    """The raw response body -> ``Sample``: JSON parsing, then ``parse_response`` (the CPU-heavy part of a response,
-    run in a worker thread by the client)."""
+    """The raw response body of a one-sample request -> ``Sample``."""
+    return samples_from_body(raw, url=url, first_index=index, count=1, request_id=request_id, **kwargs)[0]
+
+
+def samples_from_body(raw: bytes, *, url: str, first_index: int, count: int, request_id: str,
+                      **kwargs: Any) -> list[Sample]:
+    """The raw response body -> ``Sample``s: JSON parsing, then ``parse_choices`` (the CPU-heavy part of a
+    response, run in a worker thread by the client when the body is large)."""
+    named = samples_named(first_index, count)
     try:
         body = json.loads(raw)
     except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
-        raise EngineError(f"engine {url}: sample {index} (request {request_id}): response is not JSON ({err}): "
+        raise EngineError(f"engine {url}: {named} (request {request_id}): response is not JSON ({err}): "
                           f"{raw[:200]!r}", url=url) from None
     if not isinstance(body, dict):
-        raise EngineError(f"engine {url}: sample {index} (request {request_id}): response is a JSON "
+        raise EngineError(f"engine {url}: {named} (request {request_id}): response is a JSON "
                           f"{type(body).__name__}, expected an object", url=url)
-    return parse_response(body, url=url, index=index, request_id=request_id, **kwargs)
+    return parse_choices(body, url=url, first_index=first_index, count=count, request_id=request_id, **kwargs)
 
 
-def parse_response(body: dict[str, Any], *, url: str, index: int, group: int, request_id: str,
-                   prompt: Sequence[int], routes: RouteSpec | None, label: str | None = None) -> Sample:
-    """One ``/inference/v1/generate`` response -> ``Sample`` (routes decoded and validated when ``routes``)."""
+def parse_response(body: dict[str, Any], *, url: str, index: int, request_id: str, **kwargs: Any) -> Sample:
+    """One one-sample ``/inference/v1/generate`` response -> ``Sample``."""
+    return parse_choices(body, url=url, first_index=index, count=1, request_id=request_id, **kwargs)[0]
 
+
+def parse_choices(body: dict[str, Any], *, url: str, first_index: int, count: int, group: int, request_id: str,
+                  prompt: Sequence[int], routes: RouteSpec | None, label: str | None = None) -> list[Sample]:
+    """A response to a request for ``count`` samples -> one ``Sample`` per choice: choice ``j`` is sample
+    ``first_index + j`` (routes decoded and validated when ``routes``)."""
+    choices = body.get("choices")
+    got = len(choices) if isinstance(choices, list) else None
+    indices = [c.get("index") if isinstance(c, dict) else None for c in choices] if got == count else None
+    if indices is None or not all(type(j) is int for j in indices) or sorted(indices) != list(range(count)):
+        detail = "" if indices is None else f" with indices {indices}"
+        raise EngineError(f"engine {url}: {samples_named(first_index, count)} (request {request_id}): expected "
+                          f"exactly {count} choice{'s' if count > 1 else ''} indexed 0..{count - 1}, got {got}{detail}",
+                          url=url)
+    by_index = sorted(choices, key=lambda c: c["index"])
+    return [_sample_from_choice(c, url=url, index=first_index + j, group=group, request_id=request_id, prompt=prompt,
+                                routes=routes, label=label) for j, c in enumerate(by_index)]
+
+
+def _sample_from_choice(choice: dict[str, Any], *, url: str, index: int, group: int, request_id: str,
+                        prompt: Sequence[int], routes: RouteSpec | None, label: str | None) -> Sample:
     def bad(what: str) -> EngineError:
         return EngineError(f"engine {url}: sample {index} (request {request_id}): {what}", url=url)
 
-    choices = body.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1:
-        raise bad(f"expected exactly 1 choice, got {None if choices is None else len(choices)}")
-    choice = choices[0]
     status = status_from_finish_reason(choice.get("finish_reason"), url=url, index=index, request_id=request_id)
     tokens = choice.get("token_ids") or []
     response_ids = np.asarray(tokens, dtype=np.int32)

@@ -146,6 +146,14 @@ def test_qwen3_30b_parameter_estimate_matches_published_size():
     assert 30.0e9 < estimate_params(cfg.model) < 31.0e9  # Qwen3-30B-A3B: 30.5B parameters
 
 
+def test_engine_cpu_threads_only_on_the_cpu_profile(compose_cfg):
+    """Fails if validate.py stopped checking rollout.engine.cpu_threads (a GPU engine would silently keep it)."""
+    with pytest.raises(ConfigError, match=r"rollout.engine.cpu_threads: sets the threads of a CPU engine"):
+        compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4", "rollout.engine.cpu_threads=4")
+    with pytest.raises(ConfigError, match=r"rollout.engine.cpu_threads: must be null or >= 1, got 0"):
+        compose_cfg("parallelism=cpu", "rollout.engine.cpu_threads=0")
+
+
 def test_engine_host_unreachable_from_other_nodes_is_refused(compose_cfg):
     base = ("model=qwen3_30b", "parallelism=disaggregated_2n_8p8")
     with pytest.raises(ConfigError, match=r"rollout.engine.host: 127.0.0.1 is loopback"):

@@ -28,6 +28,10 @@ def test_r3_engine_argv_has_what_routed_experts_need(compose_cfg):
     assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and engine.env["TRITON_INTERPRET"] == "1"
     # the worker swaps MRv2's per-step kernels for torch (r3rl.rollout.mrv2_cpu_kernels), only on the CPU profile
     assert engine.env["R3RL_MRV2_TORCH_KERNELS"] == "1"
+    # rollout.engine.cpu_threads (1 on the CPU scale) reaches torch through OMP_NUM_THREADS; unset: torch's default
+    assert engine.env["OMP_NUM_THREADS"] == "1"
+    (default,) = build_plan(compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout.engine.cpu_threads=null")).engines
+    assert "OMP_NUM_THREADS" not in default.env
 
 
 def test_non_r3_engine_keeps_the_configured_prefix_caching(compose_cfg):
@@ -41,7 +45,7 @@ def test_cpu_profile_never_on_a_gpu_parallelism(compose_cfg):
     plan = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4", "rollout=vllm_r3"))
     for engine in plan.engines:
         assert "TRITON_INTERPRET" not in engine.env and engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
-        assert "R3RL_MRV2_TORCH_KERNELS" not in engine.env
+        assert "R3RL_MRV2_TORCH_KERNELS" not in engine.env and "OMP_NUM_THREADS" not in engine.env
         assert engine.env["CUDA_VISIBLE_DEVICES"]
 
 

@@ -11,7 +11,7 @@ import pytest
 from r3rl.config.schema import SamplingConfig
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RoutedExpertsError, RouteSpec, encode_routed_experts
-from r3rl.rollout.wire import parse_response, request_body, sample_from_body, sample_seed
+from r3rl.rollout.wire import parse_choices, parse_response, request_body, sample_from_body, sample_seed
 from r3rl.sample import SampleStatus
 
 SPEC = RouteSpec(num_layers=2, topk=2, num_experts=4)
@@ -117,3 +117,28 @@ def test_raw_body_that_is_not_a_json_object_is_an_engine_error():
             sample_from_body(raw, **kwargs)
     s = sample_from_body(json.dumps(body()).encode(), **kwargs)
     assert s.routed_experts.shape == (4, 2, 2) and s.response_ids.tolist() == [5, 6]
+
+
+def test_one_request_for_a_prompts_samples_maps_choice_j_to_sample_first_plus_j():
+    """A request for n samples (vLLM's ``n``) answers n choices, maybe out of order. Fails if choice j stopped
+    becoming sample first + j (samples swapped between seeds), if a missing or repeated choice index passed, or if
+    request_body dropped ``n`` or sent it for one sample."""
+    sampling = SamplingConfig(max_tokens=9, seed=100)
+    assert request_body("r", [1], sampling, 5, n=4)["sampling_params"]["n"] == 4
+    assert "n" not in request_body("r", [1], sampling, 5)["sampling_params"]
+    choices = []
+    for j, tokens in enumerate([(5, 6), (7,), (8, 9, 10)]):
+        one = body(tokens=tokens)["choices"][0]
+        choices.append({**one, "index": j, "finish_reason": "abort" if j == 1 else "length"})
+    kwargs = dict(url="http://e:1", first_index=8, count=3, group=1, request_id="rid-8x3", prompt=PROMPT, routes=SPEC)
+    samples = parse_choices({"choices": choices[::-1]}, **kwargs)
+    assert [s.index for s in samples] == [8, 9, 10]
+    assert [s.response_ids.tolist() for s in samples] == [[5, 6], [7], [8, 9, 10]]
+    assert [s.status for s in samples] == [SampleStatus.TRUNCATED, SampleStatus.ABORTED, SampleStatus.TRUNCATED]
+    assert samples[2].routed_experts.shape == (len(PROMPT) + 3 - 1, 2, 2)
+    with pytest.raises(EngineError, match=r"samples 8-10 \(request rid-8x3\): expected exactly 3 choices .*got 2$"):
+        parse_choices({"choices": choices[:2]}, **kwargs)
+    with pytest.raises(EngineError, match=r"samples 8-10 .*got 3 with indices \[0, 1, 1\]"):
+        parse_choices({"choices": [choices[0], choices[1], {**choices[2], "index": 1}]}, **kwargs)
+    with pytest.raises(EngineError, match=r"sample 10 \(request rid-8x3\): log-probs for 0 tokens, expected 3"):
+        parse_choices({"choices": [choices[0], choices[1], {**choices[2], "logprobs": None}]}, **kwargs)
