@@ -35,6 +35,9 @@ OnAbort = Literal["regenerate", "drop"]
 # (with 128 short samples in flight the thread hand-offs took a sixth of the client's time, bench/cpu_rollout.py)
 _PARSE_INLINE_BYTES = 256 * 1024
 
+# vLLM's _SAMPLING_EPS: a request with a lower temperature is greedy
+_GREEDY_BELOW = 1e-5
+
 # Samples finish in bursts (the engine decodes a batch together), so a rate or an ETA taken from the first ones is
 # far off (it read 1:23 for a rollout of about 17 s): the bar shows the count and the elapsed time only.
 _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
@@ -108,14 +111,15 @@ class RolloutClient:
         routes = self.spec if self.routing_replay else None
         # aiohttp, not httpx, for the requests of a rollout: with 128 requests in flight httpx's connection pool
         # (a scan of every connection per request) and request building cost more CPU than the engine's decoding,
-        # and the engine waited for its requests (rollout tokens/s x1.8 with aiohttp, bench/cpu_rollout.py)
+        # and the engine waited for its requests (bench/cpu_rollout.py: 1294 -> 2939 tokens/s with aiohttp)
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=30.0)
         clients = {u: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=self.max_concurrency))
                    for u in self.urls}
         # One request per prompt for its n samples (vLLM seeds sample j with seed + j, the seeds of one-sample
         # requests): 8x fewer requests than one per sample, whose handling in the API server and here kept the CPU
         # engine waiting (bench/cpu_rollout.py). A request holds at most max_concurrency samples.
-        chunk = max(1, min(n, self.max_concurrency))
+        # vLLM refuses n > 1 for a greedy request (temperature below its _SAMPLING_EPS): those go one by one.
+        chunk = 1 if sampling.temperature < _GREEDY_BELOW else max(1, min(n, self.max_concurrency))
         gates = {u: asyncio.Semaphore(max(1, self.max_concurrency // chunk)) for u in self.urls}
         bar = rollout_bar(len(prompts) * n, step, enabled=self.progress, desc=progress_label)
 
