@@ -29,6 +29,7 @@ import importlib
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,81 @@ def _gumbel_noise(seeds: np.ndarray, pos: np.ndarray, vocab_size: int) -> np.nda
     return -np.log(-log1p_neg)
 
 
+def _uniform_series_loop(seed_lo, seed_hi, pos_lo, vocab_size, series, clamped):
+    """``_gumbel_noise``'s hash, uniform and log1p series in one pass per (row, token id), for Numba. Writes the
+    series where u < 0.25 (NaN elsewhere) and max(1 - u, 2**-24) (whose log is taken outside, by NumPy: Numba's log
+    is libm's, which differs from NumPy's in the last bit). uint32 arithmetic is done in uint64 and masked; float32
+    constants stay float32, and multiplies and adds stay separate (no FMA), as in the NumPy version."""
+    m32 = np.uint64(0xFFFFFFFF)
+    one8 = np.float32(1.0 / 8.0)
+    coeffs = (np.float32(1.0 / 7.0), np.float32(1.0 / 6.0), np.float32(1.0 / 5.0), np.float32(1.0 / 4.0),
+              np.float32(1.0 / 3.0), np.float32(1.0 / 2.0), np.float32(1.0))
+    hi_scale, lo_scale = np.float32(1.52587890625e-05), np.float32(2.3283064365386963e-10)
+    half, quarter, one, tiny = np.float32(0.5), np.float32(0.25), np.float32(1.0), np.float32(5.960464477539063e-08)
+    for r in range(seed_lo.shape[0]):
+        h = np.uint64(0)
+        for key in (seed_lo[r], seed_hi[r], pos_lo[r]):
+            key = (key * np.uint64(0xCC9E2D51)) & m32
+            key = ((key << np.uint64(15)) | (key >> np.uint64(17))) & m32
+            key = (key * np.uint64(0x1B873593)) & m32
+            h = h ^ key
+            h = ((h << np.uint64(13)) | (h >> np.uint64(19))) & m32
+            h = (h * np.uint64(5) + np.uint64(0xE6546B64)) & m32
+        for k in range(vocab_size):
+            key = (np.uint64(k) * np.uint64(0xCC9E2D51)) & m32
+            key = ((key << np.uint64(15)) | (key >> np.uint64(17))) & m32
+            key = (key * np.uint64(0x1B873593)) & m32
+            x = h ^ key
+            x = ((x << np.uint64(13)) | (x >> np.uint64(19))) & m32
+            x = (x * np.uint64(5) + np.uint64(0xE6546B64)) & m32
+            x = x ^ np.uint64(16)
+            x ^= x >> np.uint64(16)
+            x = (x * np.uint64(0x85EBCA6B)) & m32
+            x ^= x >> np.uint64(13)
+            x = (x * np.uint64(0xC2B2AE35)) & m32
+            x ^= x >> np.uint64(16)
+            u = np.float32(x >> np.uint64(16)) * hi_scale + (np.float32(x & np.uint64(0xFFFF)) + half) * lo_scale
+            if u < quarter:
+                poly = one8
+                for c in coeffs:
+                    poly = c + u * poly
+                series[r, k] = -u * poly
+            else:
+                series[r, k] = np.float32(np.nan)
+            clamped[r, k] = max(one - u, tiny)
+
+
+_fused_noise = None  # the compiled loop, False once Numba is given up (the NumPy version runs instead)
+
+
+def _gumbel_noise_fast(seeds: np.ndarray, pos: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``_gumbel_noise``, bit for bit, ~5x faster: the integer and series work compiled by Numba, the two logs by
+    NumPy. Falls back to ``_gumbel_noise`` (one warning) where Numba cannot compile."""
+    global _fused_noise
+    if _fused_noise is None:
+        try:
+            import numba
+
+            _fused_noise = numba.njit(cache=True, nogil=True)(_uniform_series_loop)
+        except Exception as err:  # not importable, or no writable cache folder
+            warnings.warn(f"Gumbel noise without Numba ({type(err).__name__}: {err}): same draws, slower",
+                          RuntimeWarning, stacklevel=2)
+            _fused_noise = False
+    if _fused_noise is False:
+        return _gumbel_noise(seeds, pos, vocab_size)
+    seeds = seeds.astype(np.int64)
+    rows = seeds.shape[0]
+    series = np.empty((rows, vocab_size), np.float32)
+    out = np.empty((rows, vocab_size), np.float32)
+    _fused_noise(((seeds & 0xFFFFFFFF)).astype(np.uint64), ((seeds >> 32) & 0xFFFFFFFF).astype(np.uint64),
+                 (pos.astype(np.int64) & 0xFFFFFFFF).astype(np.uint64), vocab_size, series, out)
+    np.log(out, out=out)
+    np.copyto(out, series, where=~np.isnan(series))
+    np.negative(out, out=out)
+    np.log(out, out=out)
+    return np.negative(out, out=out)
+
+
 def _gumbel_sample(local_argmax, local_argmax_stride, local_max, local_max_stride, logits_cache, cache_stride_0,
                    cache_stride_1, cache_col, cache_source, cache_source_stride, logits, logits_stride,
                    expanded_idx_mapping, seeds, pos, temperature, vocab_size, *, BLOCK_SIZE, IS_DRAFTING,
@@ -121,17 +197,21 @@ def _gumbel_sample(local_argmax, local_argmax_stride, local_max, local_max_strid
     seed = torch.where(valid, seeds[slot].long(), torch.zeros((), dtype=torch.long)).numpy()
     position = pos.long().numpy() + (1 << 30 if IS_DRAFTING else 0)
 
-    scores = logits[:, :vocab_size].float().numpy().copy()
-    noisy = temp != 0.0
-    if APPLY_TEMPERATURE and noisy.any():
-        scores[noisy] = scores[noisy] / temp[noisy, None]
-    if noisy.any():
-        scores[noisy] = scores[noisy] + _gumbel_noise(seed[noisy], position[noisy], vocab_size)
     padded = np.full((num_tokens, num_blocks * BLOCK_SIZE), -np.inf, np.float32)
-    padded[:, :vocab_size] = scores
+    scores = padded[:, :vocab_size]
+    scores[...] = logits[:, :vocab_size].float().numpy()
+    noisy = temp != 0.0
+    if noisy.all():  # every row sampled (no greedy or padding row): the same float32 ops, in place
+        if APPLY_TEMPERATURE:
+            scores /= temp[:, None]
+        scores += _gumbel_noise_fast(seed, position, vocab_size)
+    elif noisy.any():
+        if APPLY_TEMPERATURE:
+            scores[noisy] = scores[noisy] / temp[noisy, None]
+        scores[noisy] = scores[noisy] + _gumbel_noise_fast(seed[noisy], position[noisy], vocab_size)
     blocks = torch.from_numpy(padded.reshape(num_tokens, num_blocks, BLOCK_SIZE))
     # the interpreter's tl.max(return_indices) is NaN-ignoring and picks the leftmost maximum
-    blocks = blocks.nan_to_num(nan=-np.inf, posinf=np.inf, neginf=-np.inf)
+    blocks.nan_to_num_(nan=-np.inf)
     best, where = blocks.max(dim=-1)
     local_max.copy_(best)
     local_argmax.copy_(where + torch.arange(num_blocks, dtype=torch.int64)[None, :] * BLOCK_SIZE)

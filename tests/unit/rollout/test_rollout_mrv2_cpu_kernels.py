@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,12 +74,14 @@ def gen(seed: int) -> torch.Generator:
 
 # ------------------------------------------------------------------------------------------------ sampling
 
+@pytest.mark.parametrize("every_row_sampled", [False, True])
 @pytest.mark.parametrize("apply_temperature", [False, True])
-def test_gumbel_sample_draws_the_interpreters_tokens_bit_for_bit(apply_temperature):
+def test_gumbel_sample_draws_the_interpreters_tokens_bit_for_bit(apply_temperature, every_row_sampled):
     """Same tokens and same per-block maxima (bitwise) for seeds over the whole int64 range, positions past 2**32,
-    a greedy request (temperature 0), a vocabulary that is not a multiple of the 1024-wide block, and a padding row.
-    Fails if the hash's word order, constants or seed split, the uniform's construction, the log1p series or the
-    leftmost tie rule change on either side."""
+    a greedy request (temperature 0), a vocabulary that is not a multiple of the 1024-wide block, and a padding row;
+    or every row sampled (the stand-in's in-place path). Fails if the hash's word order, constants or seed split,
+    the uniform's construction, the log1p series (Numba's compiled loop or NumPy's fallback) or the leftmost tie rule
+    change on either side."""
     from vllm.v1.worker.gpu.sample import gumbel
 
     g = gen(1)
@@ -86,9 +89,10 @@ def test_gumbel_sample_draws_the_interpreters_tokens_bit_for_bit(apply_temperatu
     logits = torch.randn(rows, vocab, generator=g) * 4
     logits[2, 17] = logits[2, 900] = 1e4  # a tie in the greedy row: the leftmost wins
     idx = torch.randperm(MAX_REQS, generator=g)[:rows]
-    idx[-1] = -1  # padding row
     temperature = torch.rand(MAX_REQS, generator=g) + 0.5
-    temperature[idx[2]] = 0.0
+    if not every_row_sampled:
+        idx[-1] = -1  # padding row
+        temperature[idx[2]] = 0.0
     seeds = torch.randint(-(2 ** 63), 2 ** 63 - 1, (MAX_REQS,), generator=g)
     pos = torch.randint(0, 2 ** 34, (rows,), generator=g)
     num_blocks = -(-vocab // 1024)
@@ -105,7 +109,20 @@ def test_gumbel_sample_draws_the_interpreters_tokens_bit_for_bit(apply_temperatu
     (ref, ref_tokens), (got, got_tokens) = run_both(K._GUMBEL, launch, state)
     assert_same_state(ref, got)
     assert torch.equal(ref_tokens, got_tokens)
-    assert ref_tokens[2] == 17
+    if not every_row_sampled:
+        assert ref_tokens[2] == 17  # the greedy row takes the leftmost of the tie
+
+
+def test_compiled_gumbel_noise_is_the_numpy_noise_bit_for_bit():
+    """The Numba loop (hash, uniform, series) plus NumPy's logs equals the NumPy reference bit for bit, over the
+    int64 seed range, positions past 2**32 and a vocabulary not a multiple of the block. Fails if the compiled loop
+    drifts (a float64 constant, a fused multiply-add, a 32-bit wrap missed) or silently fell back to NumPy."""
+    rng = np.random.default_rng(3)
+    seeds = rng.integers(-(2 ** 63), 2 ** 63 - 1, size=64, dtype=np.int64)
+    pos = rng.integers(0, 2 ** 34, size=64, dtype=np.int64)
+    fast = K._gumbel_noise_fast(seeds, pos, 2500)
+    assert K._fused_noise not in (None, False)
+    assert np.array_equal(fast.view(np.uint32), K._gumbel_noise(seeds, pos, 2500).view(np.uint32))
 
 
 def test_seeded_sampling_repeats_and_follows_the_seed():
