@@ -14,7 +14,8 @@ block tables, post-update) gets a vectorised implementation with the same inputs
 
 Sampling keeps MRv2's stream: the Gumbel noise of token k at position p of a request with seed s is
 murmur3(s, p, k) (see ``_gumbel_noise``), computed with NumPy's uint32 and float32 ops, which are the interpreter's own,
-so a seeded request draws the same tokens as under the interpreter, bit for bit. Logprobs are
+so a seeded request draws the same tokens as under the interpreter, bit for bit (``_gumbel_noise_fast`` runs the
+integer and series part of it as one Numba loop, to the same bits). Logprobs are
 ``log_softmax`` in fp32 (summation order differs from the kernel's: within 1e-6).
 
 Installed in the engine's worker only (``install``, called from ``r3rl.sync.worker_extension`` when the engine's
