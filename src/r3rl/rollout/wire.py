@@ -98,11 +98,6 @@ def _logprobs(content: list, bad) -> np.ndarray:
     return out
 
 
-def sample_from_body(raw: bytes, *, url: str, index: int, request_id: str, **kwargs: Any) -> Sample:
-    """The raw response body of a one-sample request -> ``Sample``."""
-    return samples_from_body(raw, url=url, first_index=index, count=1, request_id=request_id, **kwargs)[0]
-
-
 def samples_from_body(raw: bytes, *, url: str, first_index: int, count: int, request_id: str,
                       **kwargs: Any) -> list[Sample]:
     """The raw response body -> ``Sample``s: JSON parsing, then ``parse_choices`` (the CPU-heavy part of a

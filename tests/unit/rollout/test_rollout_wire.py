@@ -11,7 +11,7 @@ import pytest
 from r3rl.config.schema import SamplingConfig
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RoutedExpertsError, RouteSpec, encode_routed_experts
-from r3rl.rollout.wire import parse_choices, parse_response, request_body, sample_from_body, sample_seed
+from r3rl.rollout.wire import parse_choices, parse_response, request_body, sample_seed, samples_from_body
 from r3rl.sample import SampleStatus
 
 SPEC = RouteSpec(num_layers=2, topk=2, num_experts=4)
@@ -111,11 +111,11 @@ def test_request_body_and_seeds():
 
 
 def test_raw_body_that_is_not_a_json_object_is_an_engine_error():
-    kwargs = dict(url="http://e:1", index=3, group=1, request_id="rid-3", prompt=PROMPT, routes=SPEC)
+    kwargs = dict(url="http://e:1", first_index=3, count=1, group=1, request_id="rid-3", prompt=PROMPT, routes=SPEC)
     for raw, what in ((b"<html>502 Bad Gateway</html>", "not JSON"), (b"[1, 2]", "a JSON list, expected an object")):
         with pytest.raises(EngineError, match=rf"sample 3 \(request rid-3\): response is {what}"):
-            sample_from_body(raw, **kwargs)
-    s = sample_from_body(json.dumps(body()).encode(), **kwargs)
+            samples_from_body(raw, **kwargs)
+    (s,) = samples_from_body(json.dumps(body()).encode(), **kwargs)
     assert s.routed_experts.shape == (4, 2, 2) and s.response_ids.tolist() == [5, 6]
 
 
