@@ -59,14 +59,27 @@ _originals: dict[str, Any] = {}  # kernel name -> the Triton kernel, for the lau
 _U32 = np.uint32
 
 
-def _mix(h: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """One murmur3_32 block: NumPy's uint32 ops wrap mod 2**32 as the kernel's do."""
+def _scramble(key: np.ndarray) -> np.ndarray:
+    """A murmur3_32 block's key scrambling: NumPy's uint32 ops wrap mod 2**32 as the kernel's do."""
     key = key * _U32(0xCC9E2D51)
     key = (key << _U32(15)) | (key >> _U32(17))
-    key = key * _U32(0x1B873593)
-    h = h ^ key
+    return key * _U32(0x1B873593)
+
+
+def _mix(h: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """One murmur3_32 block."""
+    h = h ^ _scramble(key)
     h = (h << _U32(13)) | (h >> _U32(19))
     return h * _U32(5) + _U32(0xE6546B64)
+
+
+def _row_hash(seeds: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The hash state after a row's seed (low word, high word) and position (low word): uint32 [rows]."""
+    seeds = seeds.astype(np.int64)
+    with np.errstate(over="ignore"):
+        h = _mix(np.zeros(seeds.shape, _U32), (seeds & 0xFFFFFFFF).astype(_U32))
+        h = _mix(h, ((seeds >> 32) & 0xFFFFFFFF).astype(_U32))
+        return _mix(h, (pos.astype(np.int64) & 0xFFFFFFFF).astype(_U32))
 
 
 def _gumbel_noise(seeds: np.ndarray, pos: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -78,12 +91,7 @@ def _gumbel_noise(seeds: np.ndarray, pos: np.ndarray, vocab_size: int) -> np.nda
     log above. ``np.log`` is the interpreter's ``tl.log``; torch's differs in the last bit for about a fifth of inputs.
     """
     with np.errstate(over="ignore"):
-        seeds = seeds.astype(np.int64)
-        h = np.zeros(seeds.shape, _U32)
-        h = _mix(h, (seeds & 0xFFFFFFFF).astype(_U32))
-        h = _mix(h, ((seeds >> 32) & 0xFFFFFFFF).astype(_U32))
-        h = _mix(h, (pos.astype(np.int64) & 0xFFFFFFFF).astype(_U32))
-        h = _mix(h[:, None], np.arange(vocab_size, dtype=_U32)[None, :])
+        h = _mix(_row_hash(seeds, pos)[:, None], np.arange(vocab_size, dtype=_U32)[None, :])
         h = h ^ _U32(16)
         h ^= h >> _U32(16)
         h *= _U32(0x85EBCA6B)
@@ -102,31 +110,21 @@ def _gumbel_noise(seeds: np.ndarray, pos: np.ndarray, vocab_size: int) -> np.nda
     return -np.log(-log1p_neg)
 
 
-def _uniform_series_loop(seed_lo, seed_hi, pos_lo, vocab_size, series, clamped):
-    """``_gumbel_noise``'s hash, uniform and log1p series in one pass per (row, token id), for Numba. Writes the
-    series where u < 0.25 (NaN elsewhere) and max(1 - u, 2**-24) (whose log is taken outside, by NumPy: Numba's log
-    is libm's, which differs from NumPy's in the last bit). uint32 arithmetic is done in uint64 and masked; float32
-    constants stay float32, and multiplies and adds stay separate (no FMA), as in the NumPy version."""
+def _uniform_series_loop(row_hash, token_keys, series, clamped):
+    """The rest of ``_gumbel_noise`` per (row, token id) in one pass, for Numba: the last mix block (row hash with
+    the token id's scrambled key, both precomputed by NumPy), the finaliser, the uniform and the log1p series.
+    Writes the series where u < 0.25 (NaN elsewhere) and max(1 - u, 2**-24), whose log NumPy takes outside (Numba's
+    log is libm's, which differs from NumPy's in the last bit). uint32 arithmetic is done in uint64 and masked;
+    float32 constants stay float32, and multiplies and adds stay separate (no FMA), as in the NumPy version."""
     m32 = np.uint64(0xFFFFFFFF)
     one8 = np.float32(1.0 / 8.0)
     coeffs = (np.float32(1.0 / 7.0), np.float32(1.0 / 6.0), np.float32(1.0 / 5.0), np.float32(1.0 / 4.0),
               np.float32(1.0 / 3.0), np.float32(1.0 / 2.0), np.float32(1.0))
     hi_scale, lo_scale = np.float32(1.52587890625e-05), np.float32(2.3283064365386963e-10)
     half, quarter, one, tiny = np.float32(0.5), np.float32(0.25), np.float32(1.0), np.float32(5.960464477539063e-08)
-    for r in range(seed_lo.shape[0]):
-        h = np.uint64(0)
-        for key in (seed_lo[r], seed_hi[r], pos_lo[r]):
-            key = (key * np.uint64(0xCC9E2D51)) & m32
-            key = ((key << np.uint64(15)) | (key >> np.uint64(17))) & m32
-            key = (key * np.uint64(0x1B873593)) & m32
-            h = h ^ key
-            h = ((h << np.uint64(13)) | (h >> np.uint64(19))) & m32
-            h = (h * np.uint64(5) + np.uint64(0xE6546B64)) & m32
-        for k in range(vocab_size):
-            key = (np.uint64(k) * np.uint64(0xCC9E2D51)) & m32
-            key = ((key << np.uint64(15)) | (key >> np.uint64(17))) & m32
-            key = (key * np.uint64(0x1B873593)) & m32
-            x = h ^ key
+    for r in range(row_hash.shape[0]):
+        for k in range(token_keys.shape[0]):
+            x = row_hash[r] ^ token_keys[k]
             x = ((x << np.uint64(13)) | (x >> np.uint64(19))) & m32
             x = (x * np.uint64(5) + np.uint64(0xE6546B64)) & m32
             x = x ^ np.uint64(16)
@@ -164,12 +162,12 @@ def _gumbel_noise_fast(seeds: np.ndarray, pos: np.ndarray, vocab_size: int) -> n
             _fused_noise = False
     if _fused_noise is False:
         return _gumbel_noise(seeds, pos, vocab_size)
-    seeds = seeds.astype(np.int64)
     rows = seeds.shape[0]
     series = np.empty((rows, vocab_size), np.float32)
     out = np.empty((rows, vocab_size), np.float32)
-    _fused_noise(((seeds & 0xFFFFFFFF)).astype(np.uint64), ((seeds >> 32) & 0xFFFFFFFF).astype(np.uint64),
-                 (pos.astype(np.int64) & 0xFFFFFFFF).astype(np.uint64), vocab_size, series, out)
+    with np.errstate(over="ignore"):
+        token_keys = _scramble(np.arange(vocab_size, dtype=_U32))
+    _fused_noise(_row_hash(seeds, pos).astype(np.uint64), token_keys.astype(np.uint64), series, out)
     np.log(out, out=out)
     np.copyto(out, series, where=~np.isnan(series))
     np.negative(out, out=out)
