@@ -40,6 +40,16 @@ class Sample:
     weight_version: int | None = None  # policy version the engine served
     extra: dict = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        # Sizes, not contents: the dataclass repr printed every array, and asyncio.run reprs the finished task, result
+        # included, when it restores SIGINT (20 ms per 128-sample rollout, 4% of a CPU batch; far more at 32K tokens)
+        routes = "None" if self.routed_experts is None else \
+            f"{tuple(self.routed_experts.shape)} {self.routed_experts.dtype}"
+        return (f"Sample(index={self.index}, group={self.group}, request_id={self.request_id!r}, "
+                f"status={self.status.value}, finish_reason={self.finish_reason!r}, prompt={len(self.prompt_ids)} "
+                f"tokens, response={len(self.response_ids)} tokens, routed_experts={routes}, label={self.label!r}, "
+                f"reward={self.reward}, weight_version={self.weight_version})")
+
     @property
     def tokens(self) -> np.ndarray:
         return np.concatenate([self.prompt_ids, self.response_ids]).astype(np.int32, copy=False)
