@@ -153,6 +153,10 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
         argv.append("--enable-return-routed-experts")
     argv.append("--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching")
     argv.append("--async-scheduling" if eng.async_scheduling else "--no-async-scheduling")
+    if eng.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(eng.max_num_seqs)]
+    if eng.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
     if eng.enforce_eager or par.device == "cpu":
         argv.append("--enforce-eager")
     if eng.kv_cache_memory_bytes is not None:

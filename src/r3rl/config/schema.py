@@ -108,6 +108,8 @@ class EngineConfig(Frozen):
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 600.0
     max_concurrency: int = 64
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
     cpu_threads: Optional[int] = None
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)

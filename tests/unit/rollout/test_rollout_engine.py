@@ -34,6 +34,20 @@ def test_r3_engine_argv_has_what_routed_experts_need(compose_cfg):
     assert "OMP_NUM_THREADS" not in default.env
 
 
+def test_batch_limits_reach_vllm_only_when_set(compose_cfg):
+    """rollout.engine.max_num_seqs / max_num_batched_tokens become vLLM's flags (the CPU scale sets 256 and 8192: an
+    eval wave of 256 samples in one engine step, its prefill unchunked); null leaves vLLM's device default, so a GPU
+    layout keeps vLLM's tuned values. Fails if a key were dropped from the argv or a null one passed as "None"."""
+    (cpu,) = build_plan(compose_cfg("model=tiny_moe", "parallelism=cpu")).engines
+    argv = list(cpu.argv)
+    assert argv[argv.index("--max-num-seqs") + 1] == "256"
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192"
+    for engine in build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4")).engines:
+        assert "--max-num-seqs" not in engine.argv and "--max-num-batched-tokens" not in engine.argv
+    with pytest.raises(ValueError, match="rollout.engine.max_num_seqs"):
+        compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout.engine.max_num_seqs=0")
+
+
 def test_non_r3_engine_keeps_the_configured_prefix_caching(compose_cfg):
     (engine,) = build_plan(compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout=vllm")).engines
     argv = shlex.join(engine.argv)
