@@ -1,6 +1,6 @@
 """The learning figure: the default learning run with routing replay and without, same seeds, side by side.
 
-    python bench/learning_curve.py [--out outputs/learning] [--steps 20] [override ...]
+    python bench/learning_curve.py [--out outputs/learning] [--steps N] [override ...]
 
 Runs ``python run.py rollout=vllm_r3`` and ``python run.py rollout=vllm`` one after the other (the default CPU
 recipe: SFT warm start, cached and shared by both, then GRPO), each into its own folder under ``--out``, then reads
