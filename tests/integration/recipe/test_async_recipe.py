@@ -54,7 +54,9 @@ def test_one_step_off_policy_run_with_sigterm_and_resume(tmp_path, tiny_model_di
             f"debug.save_rollout={run_dir / 'rollouts'}")
     proc = start_recipe(run_dir, *args)
     try:
-        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
+        # at once: a CPU step takes ~1 s, so a 1 s poll let SIGTERM land after step 2's eval (or the run's end)
+        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc,
+                 poll=0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 143, (run_dir / "driver.log").read_text()[-3000:]
     finally:

@@ -125,7 +125,9 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, t
     run_dir = tmp_path / "preempted"
     proc = start_recipe(run_dir, "run.num_steps=3", "run.save_every=1", "run.eval_every=1")
     try:
-        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
+        # at once: a CPU step takes ~1 s, so a 1 s poll let SIGTERM land after step 2's eval (or the run's end)
+        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc,
+                 poll=0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 143
     finally:
