@@ -14,6 +14,10 @@ worker clocks every interpreted launch: ``R3RLWorkerExtension.r3rl_interpreter_c
 were, and the CPU time each engine process used per second of those batches (a process that spins while it waits
 shows up as a busy core). ``override`` (Hydra) changes the engine, e.g. ``'+rollout.engine.extra_env={R3RL_MRV2_TORCH_KERNELS: "0"}'``
 for the interpreted kernels. Last line: ``engine/hf generate tokens/s ratio: <r>``.
+
+The ratio depends on the CPU, so the output names it: where oneDNN has no bfloat16 matmul (AVX2 without AVX-512),
+torch's bfloat16 ``linear`` is ~10x slower than float32 and dominates both sides' steps, and the engine's fixed cost
+per step (scheduling, sampling, HTTP) weighs less than on a CPU with fast bfloat16 kernels.
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ from r3rl.net import free_port
 from r3rl.plan import build_plan
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import VLLMEngine
+
+
+def cpu_identity() -> str:
+    """The CPU model, torch's vector ISA and whether oneDNN multiplies bfloat16 natively."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    native = "yes" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+    return f"{model} ({psutil.cpu_count()} cores), torch ISA {torch.backends.cpu.get_cpu_capability()}, oneDNN bfloat16: {native}"
 
 
 def rpc(url: str, method: str, *args) -> object:
@@ -125,6 +138,7 @@ def main() -> None:
 
     print(f"workload: {args.prompts} prompts x {args.samples} samples, {args.max_tokens} new tokens, temperature 1, "
           f"{dtype}, {engine['threads']} torch thread(s) on both sides, {args.repeats} timed runs each, in turn")
+    print(f"cpu: {cpu_identity()}")
     print(f"engine: MRv2 kernels {'as torch stand-ins' if engine['stand_ins'] else 'in the Triton interpreter'} "
           f"({len(engine['stand_ins'])} swapped)")
     for name, r in (("engine (HTTP, routes)", engine), ("hf generate", hf)):
