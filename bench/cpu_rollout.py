@@ -48,7 +48,8 @@ def cpu_identity() -> str:
     lines = info.read_text().splitlines() if info.exists() else []
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
     native = "yes" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
-    return f"{model} ({psutil.cpu_count()} cores), torch ISA {torch.backends.cpu.get_cpu_capability()}, oneDNN bfloat16: {native}"
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"{model} ({psutil.cpu_count()} cores), torch ISA {isa}, oneDNN bfloat16: {native}"
 
 
 def rpc(url: str, method: str, *args) -> object:
