@@ -31,7 +31,9 @@ def run(max_staleness: int, steps: int, out_dir: str, overrides: list[str]) -> l
     from recipes import warm_start
     from recipes.grpo import GRPORecipe
 
-    cfg = compose(["parallelism=cpu", f"algorithm.max_staleness={max_staleness}", f"run.num_steps={steps}",
+    # both runs with the correction one step off-policy needs (refused without one), so only the overlap differs
+    cfg = compose(["parallelism=cpu", f"algorithm.max_staleness={max_staleness}", "correction=tis",
+                   f"run.num_steps={steps}",
                    f"run.output_dir={out_dir}", "run.save_every=1000", "run.eval_every=0",
                    "logger.wandb.mode=disabled", *overrides])
     recipe = GRPORecipe(warm_start.ensure(cfg))  # the default run starts from its (cached) SFT warm start

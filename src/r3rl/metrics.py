@@ -5,13 +5,15 @@ Names follow prior art so runs compare with other stacks:
 - ``train/logprob_abs_diff``: slime's ``train_rollout_logprob_abs_diff`` (per-sample masked mean of
   |trainer - rollout| log-prob, then the mean over samples). With R3 on the trainer's log-probs are computed with
   the rollout's routes replayed; ``train/logprob_abs_diff_no_replay`` is the same figure on the same batch without
-  replay, so one run shows what R3 removes. ``..._stderr`` is the standard error of each over the step's samples
-  (sample std / sqrt(samples)): the per-step figures rest on a few hundred tokens and swing between steps.
+  replay, so one run shows what R3 removes. ``..._stderr`` is the standard error of each over the step's samples,
+  clustered by prompt (a prompt's samples are correlated, often identical responses).
   ``train/logprob_abs_diff_paired_delta`` (r3rl's): the mean over samples of (replayed - unreplayed) per-sample
-  figure, the paired difference on one batch, with ``..._stderr`` clustered by prompt (the samples of one prompt
-  are correlated; ``clustered_stderr``). Negative when replay removes mismatch.
+  figure, the paired difference on one batch, with ``..._stderr`` clustered by prompt too. Negative when replay
+  removes mismatch. With ``algorithm.max_staleness >= 1`` these figures mix the engine mismatch with the policy lag
+  (the trainer's weights are newer than the ones that generated the batch): see ``r3rl.tracking.summary``.
 - ``train/token_mult_prob_error``: NeMo-RL's masked mean of exp(|trainer - rollout|) over all valid tokens of the
-  batch (1.0 is a perfect match; their R3 recipe gates on its median < 1.02).
+  batch, with NeMo-RL's mask ``token_mask * sample_mask`` after the sequence gate (1.0 is a perfect match; their R3
+  recipe gates on its median < 1.02); logged by ``r3rl.train.correction``.
 - ``rollout_corr/k3_kl`` (verl's; once, it used to be duplicated as ``train/k3_kl``): the k3 estimator of
   KL(rollout || trainer) on the rollout's tokens, token masked mean.
 - ``r3/routing_flip_rate``: share of (token, layer) rows whose top-k expert *set* differs between the trainer's own
@@ -243,70 +245,27 @@ def clustered_stderr(values: Sequence[float] | np.ndarray, clusters: Sequence | 
     return float(np.sqrt(labels.size / (labels.size - 1) * np.sum(sums ** 2)) / v.size)
 
 
+def mean_and_stderr(values: Sequence[float] | np.ndarray, clusters: Sequence | np.ndarray) -> tuple[float, float]:
+    """The one rule for every figure r3rl reports with an error: the mean of ``values`` and its standard error
+    clustered by what is independent (``clusters``: the prompt of each sample; the normalised problem,
+    ``r3rl.data.overlap.problem_key``, of each eval prompt, since ``a + b`` and ``b + a`` are one problem)."""
+    v = np.asarray(values, np.float64)
+    if v.size == 0:
+        return float("nan"), float("nan")
+    return float(v.mean()), clustered_stderr(v, clusters)
+
+
 def paired_delta(replayed: np.ndarray, unreplayed: np.ndarray, clusters: Sequence | np.ndarray
                  ) -> tuple[float, float]:
     """Mean over samples of ``replayed - unreplayed`` (per-sample figures of one batch) and its standard error
     clustered by ``clusters`` (the prompt of each sample)."""
-    d = np.asarray(replayed, np.float64) - np.asarray(unreplayed, np.float64)
-    if d.size == 0:
-        return float("nan"), float("nan")
-    return float(d.mean()), clustered_stderr(d, clusters)
+    return mean_and_stderr(np.asarray(replayed, np.float64) - np.asarray(unreplayed, np.float64), clusters)
 
 
 def token_mult_prob_error(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
     """NeMo-RL's ``token_mult_prob_error``: token masked mean of exp(|trainer - rollout|); 1.0 is a perfect match."""
     t, r, m = _aligned(trainer_lps, rollout_lps, masks)
     return token_masked_mean([np.exp(np.abs(a - b)) for a, b in zip(t, r)], m)
-
-
-def k3_kl(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
-    """k3 estimate of KL(rollout || trainer) on the rollout's tokens: mean of exp(d) - d - 1, d = trainer - rollout.
-
-    Always >= 0 per token, unbiased, and lower-variance than the plain log-ratio (k1) estimator.
-    """
-    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
-    return token_masked_mean([np.expm1(a - b) - (a - b) for a, b in zip(t, r)], m)
-
-
-def eff_sample_size(weights: ArrayRows, masks: ArrayRows) -> float:
-    """verl's ``rollout_is_eff_sample_size``: 1 / mean(w_n^2) with the weights normalised to mean 1 over the valid
-    tokens, i.e. mean(w)^2 / mean(w^2), in (0, 1]; 1 when every weight is equal."""
-    w, m = _rows("weights", weights), _rows("masks", masks)
-    mean = token_masked_mean(w, m)
-    second = token_masked_mean([x * x for x in w], m)
-    return float(mean * mean / second) if second > 0 else float("nan")
-
-
-def fraction_outside(ratios: ArrayRows, masks: ArrayRows, low: float, high: float) -> tuple[float, float]:
-    """Shares of valid tokens whose ratio is above ``high`` and below ``low``."""
-    r, m = _rows("ratios", ratios), _rows("masks", masks)
-    return (token_masked_mean([(x > high).astype(np.float64) for x in r], m),
-            token_masked_mean([(x < low).astype(np.float64) for x in r], m))
-
-
-def fraction_outside_seq(seq_ratios: Sequence[float] | np.ndarray, masks: ArrayRows, low: float,
-                         high: float) -> tuple[float, float]:
-    """Shares of the samples with a valid token whose sequence-level ratio is above ``high`` and below ``low``."""
-    s = np.asarray(seq_ratios, dtype=np.float64)
-    valid = np.asarray([float(np.sum(m)) > 0 for m in masks])
-    if not valid.any():
-        return float("nan"), float("nan")
-    return float((s[valid] > high).mean()), float((s[valid] < low).mean())
-
-
-def masked_fraction(masks: ArrayRows, kept: ArrayRows) -> float:
-    """verl's ``rollout_rs_masked_fraction``: share of the valid tokens a correction removed from the loss."""
-    m, k = _rows("masks", masks), _rows("kept", kept)
-    total = sum(float(x.sum()) for x in m)
-    return (total - sum(float(x.sum()) for x in k)) / total if total else float("nan")
-
-
-def log_ppl_abs_diff(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
-    """verl's ``log_ppl_abs_diff``: per sample |log-perplexity(trainer) - log-perplexity(rollout)| (the masked mean
-    log-probs' difference), averaged over the samples with a valid token."""
-    t, r, m = _aligned(trainer_lps, rollout_lps, masks)
-    per = [abs(float(((a - b) * c).sum() / c.sum())) for a, b, c in zip(t, r, m) if c.sum() > 0]
-    return float(np.mean(per)) if per else float("nan")
 
 
 # verl's bound on a log-ratio before exp() (its SAFETY_BOUND)
@@ -395,7 +354,8 @@ def seq_mult_prob_error(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: A
     masked mean of exp(|trainer - rollout|) within each sample (``token_mult_prob_error`` per sequence); NaN for a
     sample without a valid token."""
     t, r, m = _aligned(trainer_lps, rollout_lps, masks)
-    return np.asarray([float((np.exp(np.minimum(np.abs(a - b), SAFETY_BOUND)) * c).sum() / c.sum())
+    # no bound on |d| before exp(), as in NeMo-RL: one wild token must be able to push its sequence past the gate
+    return np.asarray([float((np.exp(np.abs(a - b)) * c).sum() / c.sum())
                        if c.sum() > 0 else float("nan") for a, b, c in zip(t, r, m)], dtype=np.float64)
 
 
@@ -508,16 +468,20 @@ def step_metrics(
     replayed = logprob_abs_diff_per_sample(trainer_logprobs, rollout_logprobs, loss_masks)
     unreplayed = replayed if trainer_logprobs_no_replay is None else logprob_abs_diff_per_sample(
         trainer_logprobs_no_replay, rollout_logprobs, loss_masks)
+    # the prompt of each sample with a valid token (the per-sample figures leave the others out)
+    groups = None if sample_groups is None else np.asarray(sample_groups)[
+        np.asarray([float(np.sum(m)) > 0 for m in loss_masks], dtype=bool)]
+
+    def se(values: np.ndarray) -> float:
+        return stderr(values) if groups is None else clustered_stderr(values, groups)
+
     out: dict[str, float] = {
         LOGPROB_ABS_DIFF: float(replayed.mean()) if replayed.size else float("nan"),
-        LOGPROB_ABS_DIFF_STDERR: stderr(replayed),
+        LOGPROB_ABS_DIFF_STDERR: se(replayed),
         LOGPROB_ABS_DIFF_NO_REPLAY: float(unreplayed.mean()) if unreplayed.size else float("nan"),
-        LOGPROB_ABS_DIFF_NO_REPLAY_STDERR: stderr(unreplayed),
-        TOKEN_MULT_PROB_ERROR: token_mult_prob_error(trainer_logprobs, rollout_logprobs, loss_masks),
+        LOGPROB_ABS_DIFF_NO_REPLAY_STDERR: se(unreplayed),
     }
-    if trainer_logprobs_no_replay is not None and sample_groups is not None:
-        valid = [float(np.sum(m)) > 0 for m in loss_masks]
-        groups = np.asarray(sample_groups)[np.asarray(valid, dtype=bool)]
+    if trainer_logprobs_no_replay is not None and groups is not None:
         delta, delta_se = paired_delta(replayed, unreplayed, groups)
         out[LOGPROB_ABS_DIFF_PAIRED_DELTA] = delta
         out[LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR] = delta_se

@@ -48,20 +48,11 @@ def test_token_mult_prob_error_is_token_mean_of_exp_abs_diff():
     assert M.token_mult_prob_error(rollout, rollout, masks) == pytest.approx(1.0)
 
 
-def test_k3_kl_by_hand():
-    # d = ln2: 2 - ln2 - 1; d = -ln2: 1/2 + ln2 - 1; their mean is 1/4. The masked token would add e^5 - 6.
-    trainer = [np.array([math.log(2), -math.log(2), 5.0])]
-    rollout = [np.zeros(3)]
-    masks = [np.array([1, 1, 0])]
-    assert M.k3_kl(trainer, rollout, masks) == pytest.approx(0.25)
-    assert M.k3_kl(rollout, rollout, masks) == 0.0
-
-
 def test_mismatched_shapes_name_the_sample():
     with pytest.raises(ValueError, match="sample 1: token counts differ"):
         M.logprob_abs_diff(TRAINER, [ROLLOUT[0], ROLLOUT[1][:3]], MASKS)
     with pytest.raises(ValueError, match="sample counts differ"):
-        M.k3_kl(TRAINER[:1], ROLLOUT, MASKS)
+        M.token_mult_prob_error(TRAINER[:1], ROLLOUT, MASKS)
 
 
 def test_routing_flip_metrics_average_the_layers():
@@ -104,6 +95,39 @@ def test_paired_delta_is_replayed_minus_unreplayed_per_sample_with_prompt_cluste
                                                                  loss_masks=MASKS, sample_groups=[0, 1])
 
 
+def test_mismatch_stderrs_are_clustered_by_prompt():
+    """Four samples, two prompts, per-sample figures 0.3, 0.3 (prompt a: the same response twice) and 0.15, 0.15
+    (prompt b): the clustered error is sqrt(2 * 2 * 0.15^2) / 4 = 0.075, not the plain 0.0433 that counts the copies
+    as independent. Fails if ``step_metrics`` goes back to the per-sample ``stderr`` for either mismatch figure."""
+    trainer, rollout, masks = TRAINER * 2, ROLLOUT * 2, MASKS * 2
+    no_replay = [r + 0.5 for r in rollout]
+    out = M.step_metrics(rollout_logprobs=rollout, trainer_logprobs=trainer, loss_masks=masks,
+                         trainer_logprobs_no_replay=no_replay, sample_groups=["a", "b", "a", "b"])
+    assert out[M.LOGPROB_ABS_DIFF_STDERR] == pytest.approx(0.075)
+    assert M.stderr([0.3, 0.15, 0.3, 0.15]) == pytest.approx(0.0433, abs=1e-4)
+    assert out[M.LOGPROB_ABS_DIFF_NO_REPLAY_STDERR] == pytest.approx(0.0, abs=1e-12)  # 0.5 everywhere
+    one_prompt = M.step_metrics(rollout_logprobs=rollout, trainer_logprobs=trainer, loss_masks=masks,
+                                sample_groups=[1, 1, 1, 1])
+    assert math.isnan(one_prompt[M.LOGPROB_ABS_DIFF_STDERR])  # one prompt: nothing independent to compare
+
+
+def test_mean_and_stderr_counts_one_problem_once():
+    """Eval prompts 'a + b' and 'b + a' are one problem: four per-prompt scores 1, 1 (problem x) and 0, 0 (problem
+    y) carry two independent draws, error sqrt(2 * 2 * 0.5^2) / 4 = 0.5, not the plain 0.289. Fails if the eval,
+    the learning bench or the learning test clusters by prompt instead of by problem."""
+    mean, se = M.mean_and_stderr([1.0, 1.0, 0.0, 0.0], ["x", "x", "y", "y"])
+    assert mean == 0.5 and se == pytest.approx(0.5)
+    assert M.stderr([1.0, 1.0, 0.0, 0.0]) == pytest.approx(0.2887, abs=1e-4)
+    assert all(math.isnan(v) for v in M.mean_and_stderr([], []))
+
+
+def test_seq_mult_prob_error_does_not_bound_the_log_ratio():
+    """NeMo-RL's per-sequence error takes exp(|d|) unbounded: a token 30 nats off gives (e^30 + 1) / 2. Fails if the
+    old clamp of |d| at 20 comes back (it would give (e^20 + 1) / 2)."""
+    err = M.seq_mult_prob_error([np.array([30.0, 0.0])], [np.zeros(2)], [np.ones(2)])
+    assert err[0] == pytest.approx((math.exp(30) + 1) / 2)
+
+
 def test_logprob_abs_diff_stderr_is_over_samples():
     # per-sample figures 0.3 and 0.15: std (ddof 1) 0.106066, over sqrt(2) -> 0.075
     assert M.stderr(M.logprob_abs_diff_per_sample(TRAINER, ROLLOUT, MASKS)) == pytest.approx(0.075)
@@ -135,7 +159,8 @@ def test_step_metrics_assembles_every_prefix_with_prior_art_names():
     assert out["perf/step_time_s"] == 4.0  # sum of the stages when no step time is given
     assert out["perf/tokens_per_s"] == pytest.approx(20 / 4.0)  # (2 + 5 + 3 + 10) tokens over 4 s
     assert out["perf/rollout_tokens_per_s"] == pytest.approx(7 / 2.0)
-    assert "train/token_mult_prob_error" in out
+    # NeMo-RL's figure is logged by r3rl.train.correction, with the mask after its sequence gate
+    assert "train/token_mult_prob_error" not in out
     assert "train/k3_kl" not in out and M.K3_KL == "rollout_corr/k3_kl"  # verl's key, logged once, by correction
     # rollout_corr/ comes from r3rl.train.correction, r2/ from R2's training forwards, eval/ from r3rl.eval
     assert {k.split("/", 1)[0] for k in out} == set(M.STEP_PREFIXES) - {"r2", "rollout_corr"}

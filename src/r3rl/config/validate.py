@@ -289,6 +289,11 @@ def validate(cfg: R3RLConfig) -> None:
     check(alg.max_staleness == 0 or not par.colocated, "algorithm.max_staleness",
           f"{alg.max_staleness} overlaps generation with training, which needs the engines on GPUs of their own; "
           "parallelism.colocated=true shares them with the trainer (use 0, or a disaggregated parallelism=)")
+    # the behaviour policy of a batch generated ahead is the older engine's: pi_old (the trainer's log-probs) alone
+    # would take the gradient under the wrong distribution (NeMo-RL's async GRPO asserts the same)
+    check(alg.max_staleness == 0 or cfg.correction.name != "none", "correction",
+          f"algorithm.max_staleness={alg.max_staleness} trains on samples of older weights; a correction that weights "
+          "each token by the generating policy's log-probs must be on: correction=tis (or icepop, seq_mask_tis)")
 
     # recipe: grpo (the default) or sft, and SFT's own batch and data
     check(cfg.recipe.name in RECIPE_NAMES, "recipe", f"must be one of {RECIPE_NAMES}, got {cfg.recipe.name!r}")

@@ -132,25 +132,30 @@ def correct(c: Correction, trainer_lps: Sequence[np.ndarray], rollout_lps: Seque
     else:  # zero_weight: only the gate (NeMo-RL's sample mask) takes tokens out of the count
         new_masks = [m * g for m, g in zip(masks, gate_keep)]
     kept = [m * k for m, k in zip(masks, keep)]
+    # NeMo-RL's mask for its loss figures: token_mask * sample_mask, the sample mask cleared by the gate
+    gated = [m * g for m, g in zip(masks, gate_keep)]
 
     metrics = M.is_metrics(trainer_lps, rollout_lps, masks, c.ratio_high)
     metrics.update(M.rs_metrics(masks, kept))
     metrics.update(M.offpolicy_metrics(trainer_lps, rollout_lps, masks))
+    metrics[M.TOKEN_MULT_PROB_ERROR] = M.token_mult_prob_error(trainer_lps, rollout_lps, gated)
     metrics[M.EXTREME_TOKEN_FRACTION] = M.extreme_token_fraction(trainer_lps, rollout_lps, masks)
     metrics[M.CORRECTION_KEPT_TOKENS] = float(sum(float(m.sum()) for m in new_masks))
     valid = np.asarray([m.sum() > 0 for m in masks], dtype=bool)
     finite = seq_error[valid]
     metrics[M.MEAN_SEQ_MULT_PROB_ERROR] = float(finite.mean()) if finite.size else float("nan")
     metrics[M.MAX_SEQ_MULT_PROB_ERROR] = float(finite.max()) if finite.size else float("nan")
-    # NeMo-RL's is_oob_ratio, for the options NeMo-RL has: tokens outside the truncation bounds (tis: above
-    # ratio_high, r3rl's tis has no lower clamp; icepop: outside [ratio_low, ratio_high]) or sequences (seq_mask_tis)
+    # NeMo-RL's is_oob_ratio, for the options NeMo-RL has, over the tokens (sequences) its gate left: tokens outside
+    # the truncation bounds (tis: above ratio_high, r3rl's tis has no lower clamp; icepop: outside
+    # [ratio_low, ratio_high]) or sequences (seq_mask_tis)
     if c.kind == "tis":
-        metrics[M.IS_OOB_RATIO] = M.token_masked_mean([(r > c.ratio_high).astype(np.float64) for r in ratios], masks)
+        metrics[M.IS_OOB_RATIO] = M.token_masked_mean([(r > c.ratio_high).astype(np.float64) for r in ratios], gated)
     elif c.kind == "icepop":
-        metrics[M.IS_OOB_RATIO] = M.token_masked_mean([1.0 - k for k in option_keep], masks)
+        metrics[M.IS_OOB_RATIO] = M.token_masked_mean([1.0 - k for k in option_keep], gated)
     elif c.kind == "seq_mask_tis":
         out = np.asarray([not (c.seq_ratio_low <= g <= c.seq_ratio_high) for g in seq_geo])
-        metrics[M.IS_OOB_RATIO] = float(out[valid].mean()) if valid.any() else float("nan")
+        left = np.asarray([m.sum() > 0 for m in gated], dtype=bool)
+        metrics[M.IS_OOB_RATIO] = float(out[left].mean()) if left.any() else float("nan")
     if c.seq_error_threshold is not None:
         gated = valid & (seq_error > c.seq_error_threshold)
         metrics[M.SEQ_ERROR_GATED_FRACTION] = float(gated.sum() / valid.sum()) if valid.any() else float("nan")

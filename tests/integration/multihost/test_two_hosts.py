@@ -74,7 +74,8 @@ def test_recipe_trains_on_host_a_and_serves_from_host_b(slurm2, launch2, hosts, 
     out = tmp_path / "run"
     job = launch2.submit("--nodes=2", "--gres=gpu:1", overrides=(
         "parallelism=cpu_2n", *PLUMBING, f"run.output_dir={out}", "run.num_steps=3", "run.eval_every=0",
-        "logger.wandb.mode=offline", "algorithm.max_staleness=1"))
+        "logger.wandb.mode=offline", "algorithm.max_staleness=1",
+        "correction=tis"))
     info = slurm2.wait_job(job, RUN_TIMEOUT)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), launch2.output(job)[-6000:]
 

@@ -17,7 +17,8 @@ from .conftest import PLUMBING, SMALL_STEP, assert_nothing_left, run_recipe, sta
 
 pytestmark = pytest.mark.integration
 
-ASYNC = "algorithm.max_staleness=1"
+# one step off-policy needs a correction by the generating policy (refused without one)
+ASYNC = ("algorithm.max_staleness=1", "correction=tis")
 
 
 def expected_batches(tiny_model_dir, steps: int) -> list[list[tuple[int, ...]]]:
@@ -50,7 +51,7 @@ def test_one_step_off_policy_run_with_sigterm_and_resume(tmp_path, tiny_model_di
     before the batch makes it 0 and means nothing overlapped); an eval point scored older weights than its step's
     (the evaluator checks the version the engines served); or R3 stopped replaying the engine's routes."""
     run_dir = tmp_path / "async"
-    args = ("run.num_steps=4", "run.save_every=1", "run.eval_every=2", ASYNC, "rollout=vllm_r3",
+    args = ("run.num_steps=4", "run.save_every=1", "run.eval_every=2", *ASYNC, "rollout=vllm_r3",
             f"debug.save_rollout={run_dir / 'rollouts'}")
     proc = start_recipe(run_dir, *args)
     try:

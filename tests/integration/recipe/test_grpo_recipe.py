@@ -162,7 +162,7 @@ def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, 
     Fails if the producer thread's failure were lost (the run would hang on its batch, or end as a success)."""
     run_dir = tmp_path / "dead_engine"
     proc = start_recipe(run_dir, "run.num_steps=6", "run.save_every=1", "run.eval_every=0",
-                        f"algorithm.max_staleness={max_staleness}")
+                        f"algorithm.max_staleness={max_staleness}", "correction=tis")
     try:
         wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
         engine = json.loads((run_dir / "processes.json").read_text())["engines"][0]

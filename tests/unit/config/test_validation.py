@@ -29,7 +29,11 @@ GPU = "parallelism=disaggregated_4p4"
         (["model.num_experts=1", "model.moe_topk=1", "parallelism=cpu"], "rollout"),
         (["algorithm.global_batch_size=5"], "algorithm.global_batch_size"),
         (["algorithm.max_staleness=-1"], "algorithm.max_staleness"),
-        (["model=qwen3_30b", "parallelism=colocated", "algorithm.max_staleness=1"], "algorithm.max_staleness"),
+        (["model=qwen3_30b", "parallelism=colocated", "algorithm.max_staleness=1", "correction=tis"],
+         "algorithm.max_staleness"),
+        # one step off-policy without a correction by the generating policy: the gradient is under the wrong policy
+        (["algorithm.max_staleness=1"], "correction"),
+        (["algorithm.max_staleness=2", "correction.seq_error_threshold=2.0"], "correction"),
         (["rollout=vllm", "replay=r3"], "replay"),
         (["rollout=vllm", "replay=r2", "trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
         ([GPU, "replay=r2", "parallelism.trainer.pipeline_parallel=2", "parallelism.trainer.expert_parallel=2"],

@@ -212,3 +212,19 @@ def test_only_none_without_the_gate_leaves_the_loss_alone():
     assert not Correction("none").changes_training
     assert Correction("none", seq_error_threshold=1.5).changes_training
     assert all(Correction(kind).changes_training for kind in ("tis", "icepop", "seq_mask_tis"))
+
+
+def test_nemo_rl_loss_figures_use_the_mask_after_the_gate():
+    """NeMo-RL computes ``token_mult_prob_error`` and ``is_oob_ratio`` over ``token_mask * sample_mask`` after its
+    sequence gate. With the gate at 2.0 sample 0 (8/3) leaves; what is left is sample 1's one token, ratio 1.5:
+    token_mult_prob_error 1.5 and tis's is_oob_ratio 0 (at cap 1.2: 1). Before the gate they would be
+    (3 + 1 + 4 + 1.5) / 4 and 1/4. Fails if either figure goes back to the masks from before the gate."""
+    gated = run("tis", ratio_high=2.0, seq_error_threshold=2.0)
+    assert gated.metrics[M.TOKEN_MULT_PROB_ERROR] == pytest.approx(1.5)
+    assert gated.metrics[M.IS_OOB_RATIO] == 0.0
+    assert run("tis", ratio_high=1.2, seq_error_threshold=2.0).metrics[M.IS_OOB_RATIO] == 1.0
+    ungated = run("tis", ratio_high=2.0)
+    assert ungated.metrics[M.TOKEN_MULT_PROB_ERROR] == pytest.approx(9.5 / 4)
+    assert ungated.metrics[M.IS_OOB_RATIO] == pytest.approx(0.25)
+    seq = run("seq_mask_tis", seq_ratio_low=0.9, seq_ratio_high=1.2, seq_error_threshold=2.0)
+    assert seq.metrics[M.IS_OOB_RATIO] == 1.0  # of the one sequence left (geometric mean 1.5), one outside
