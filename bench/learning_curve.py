@@ -5,10 +5,11 @@
 Runs ``python run.py rollout=vllm_r3`` and ``python run.py rollout=vllm`` one after the other (the default CPU
 recipe: SFT warm start, cached and shared by both, then GRPO), each into its own folder under ``--out``, then reads
 both W&B offline runs and prints, per step, the rollout reward mean +- its standard error (clustered by prompt), and
-per eval point avg@k and pass@k +- their standard errors (over prompts). The gain is the last eval point's avg@k
-minus the first's; its standard error is that of the mean per-prompt change (the same prompts at both points, from
-the per-prompt scores the recipe records under ``eval/``), or without those records the two points' errors
-combined as if independent. It writes the comparison picture
+per eval point avg@k and pass@k +- their standard errors (clustered by problem: 'a + b' and 'b + a' are one). The
+gain is the last eval point's avg@k minus the first's; its standard error is that of the mean per-prompt change
+(the same prompts at both points, from the per-prompt scores the recipe records under ``eval/``), clustered by
+problem (``r3rl.eval.records.paired_gain``), or without those records the two points' errors combined as if
+independent. It writes the comparison picture
 (``--out/comparison.png``, by ``r3rl.dashboard``). Last line:
 ``learning: eval avg@k gain <g> (<n> standard errors); R3 <g3>, no replay <g0>``.
 """
@@ -16,12 +17,12 @@ combined as if independent. It writes the comparison picture
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
+from r3rl.eval.records import paired_gain, record_path
 from r3rl.tracking.offline_reader import read_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,23 +56,14 @@ def summarise(label: str, folder: Path) -> tuple[float, float]:
         print(f"{step:>9} {avg:>9.3f} +- {avg_se:.3f} {pas:>9.3f} +- {pas_se:.3f}")
     first, last = points[0], points[-1]
     gain = last[1] - first[1]
-    paired = paired_stderr(folder, avg_key.split("/")[1], first[0], last[0])
-    se = paired if paired is not None else math.hypot(first[3], last[3])
-    kind = "paired over prompts" if paired is not None else "the two points' errors combined"
+    name = avg_key.split("/")[1]
+    if record_path(folder / "eval", name, first[0]).is_file():
+        gain, se, problems = paired_gain(folder / "eval", name, first[0], last[0])
+        kind = f"paired over prompts, clustered by problem: {problems} problems"
+    else:
+        se, kind = math.hypot(first[3], last[3]), "the two points' errors combined"
     print(f"gain {avg_key.split('/')[-1]}: {gain:+.3f} +- {se:.3f} ({kind}; steps {first[0]} -> {last[0]})")
     return gain, se
-
-
-def paired_stderr(folder: Path, name: str, first: int, last: int) -> float | None:
-    """Standard error of the mean per-prompt change between two eval points (the recipe records per-prompt scores
-    under ``eval/``); None without the records."""
-    files = [folder / "eval" / f"{name}-step{step:06d}.json" for step in (first, last)]
-    if not all(f.is_file() for f in files):
-        return None
-    a, b = (json.loads(f.read_text())["prompt_means"] for f in files)
-    diffs = [y - x for x, y in zip(a, b)]
-    mean = sum(diffs) / len(diffs)
-    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ weights only. ``stop()`` returning true (SIGTERM) abandons the point: its reques
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
+from r3rl.eval.records import write_record
 from r3rl.eval.scoring import overlaps_key, set_metrics
 from r3rl.eval.sets import EvalSet
 from r3rl.rollout.client import RolloutClient
@@ -39,7 +39,7 @@ class Evaluator:
         self.client = client
         self.tokenizer = tokenizer
         self.console = console
-        # per-prompt scores of every eval point (<set>-step<N>.json): the same prompts at two points give a paired
+        # per-prompt scores of every eval point (r3rl.eval.records): the same prompts at two points give a paired
         # standard error of the change (bench/learning_curve.py), tighter than the two points' errors combined
         self.record_dir = record_dir
 
@@ -70,25 +70,18 @@ class Evaluator:
             values.update(set_metrics(
                 s.name, n, rewards=rewards,
                 groups=[x.group for x in samples], lengths=[x.response_length for x in samples],
-                truncated=[x.status == SampleStatus.TRUNCATED for x in samples], k=k))
+                truncated=[x.status == SampleStatus.TRUNCATED for x in samples], k=k,
+                problems=dict(enumerate(s.problems)) if s.problems else None))
             # constant over a run, logged with every point so a run's eval figures say what they left out
             values[overlaps_key(s.name)] = float(s.overlaps_removed)
             if self.record_dir is not None:
-                self._record(s.name, step, rewards, [x.group for x in samples])
+                write_record(self.record_dir, s.name, step, rewards, [x.group for x in samples], s.problems)
             pass_k = f", pass@{k} {values[f'eval/{s.name}/pass@{k}']:.3f}" if k != n else ""
             self.console.print(f"eval {s.name} at step {step}: avg@{n} {values[f'eval/{s.name}/avg@{n}']:.3f}, "
                                f"pass@{n} {values[f'eval/{s.name}/pass@{n}']:.3f}{pass_k} ({len(s.prompts)} prompts "
                                f"x {n}; {s.overlaps_removed} training problems left out)")
         values[EVAL_TIME] = time.perf_counter() - started
         return values
-
-    def _record(self, name: str, step: int, rewards: list[float], groups: list[int]) -> None:
-        per_prompt: dict[int, list[float]] = {}
-        for r, g in zip(rewards, groups):
-            per_prompt.setdefault(int(g), []).append(float(r))
-        self.record_dir.mkdir(parents=True, exist_ok=True)
-        (self.record_dir / f"{name}-step{step:06d}.json").write_text(json.dumps(
-            {"set": name, "step": step, "prompt_means": [sum(v) / len(v) for _, v in sorted(per_prompt.items())]}))
 
     async def _generate(self, s: EvalSet, step: int, stop: Callable[[], bool]):
         task = asyncio.create_task(self.client.generate(

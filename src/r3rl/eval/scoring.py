@@ -8,10 +8,11 @@ n correct"; a set's ``k`` below n logs ``pass@k`` beside it.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from r3rl import metrics as M
 
 # a reward at or above this counts as correct for pass@k (the math reward is 0 or 1)
 CORRECT = 0.5
@@ -43,20 +44,22 @@ def metric_keys(name: str, n: int, k: int | None = None) -> dict[str, str]:
     return keys
 
 
-def _mean_and_stderr(x: np.ndarray) -> tuple[float, float]:
-    # prompts are the independent draws: the spread of their figures, not of single samples
-    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else math.nan)
-
-
 def set_metrics(name: str, n: int, rewards: Sequence[float], groups: Sequence[int], lengths: Sequence[int],
-                truncated: Sequence[bool], k: int | None = None) -> dict[str, float]:
+                truncated: Sequence[bool], k: int | None = None,
+                problems: Mapping[int, str] | None = None) -> dict[str, float]:
     """The metrics of one set from its samples (``groups[i]``: the prompt of sample i, n samples per prompt;
-    ``k``: pass@k's k besides n, None for pass@n only)."""
+    ``k``: pass@k's k besides n, None for pass@n only). Each figure is a mean over prompts; its standard error is
+    clustered by problem (``problems``: prompt -> normalised problem; without it every prompt is its own), since
+    the independent draws are the problems, not the prompts that restate one or the samples of one prompt."""
     r = np.asarray(rewards, dtype=np.float64)
     g = np.asarray(groups)
     if not len(r) == len(g) == len(lengths) == len(truncated) or len(r) == 0:
         raise ValueError(f"eval set {name}: rewards, groups, lengths and truncated must be equal and non-empty")
     prompts = np.unique(g)
+    clusters = [problems[int(p)] for p in prompts] if problems is not None else list(prompts)
+
+    def _mean_and_stderr(x: np.ndarray) -> tuple[float, float]:
+        return M.mean_and_stderr(x, clusters)
     per_prompt = [r[g == p] for p in prompts]
     if any(len(x) != n for x in per_prompt):
         counts = sorted({len(x) for x in per_prompt})

@@ -209,6 +209,9 @@ class EvalSet:
     prompts: list[Prompt]
     overlaps_removed: int = 0  # problems of the file left out as training problems
     timeout_s: float = 5.0  # limit of one response's grading (the run's reward.timeout_s)
+    # the normalised problem of each prompt (``problem_key``): what the eval's standard errors cluster by, since
+    # 'a + b' and 'b + a' are two prompts of one problem (empty: every prompt its own problem)
+    problems: tuple[str, ...] = ()
 
     @property
     def k(self) -> int:
@@ -239,5 +242,7 @@ def load_sets(cfg: R3RLConfig, tokenizer: Any) -> list[EvalSet]:
             raise DataError(f"eval.sets.{name}: every prompt of {path} is a training problem or too long; nothing "
                             f"is held out")
         _report(name, len(drop), len(rows))
-        out.append(EvalSet(name, s, prompts, overlaps_removed=len(drop), timeout_s=cfg.reward.timeout_s))
+        key_of = {line: problem_key(prompt) for line, prompt, _ in rows}
+        out.append(EvalSet(name, s, prompts, overlaps_removed=len(drop), timeout_s=cfg.reward.timeout_s,
+                           problems=tuple(key_of[p.line] for p in prompts)))
     return out

@@ -75,3 +75,30 @@ def test_run_summary_lists_each_sets_eval_figures_with_baseline_and_last_point()
     assert stats["eval/arith/avg@2"]["first"] == 0.25 and stats["eval/arith/avg@2"]["last"] == 0.5
     assert stats["eval/arith/pass@2"]["steps"] == 2
     assert stats["train/logprob_abs_diff"]["steps"] == 2
+
+
+def test_eval_errors_are_clustered_by_problem():
+    """Four prompts, n = 1: prompts 0 and 1 restate problem x (both right), 2 and 3 problem y (both wrong). Over
+    problems the error of avg@1 is sqrt(2 * 2 * 0.5^2) / 4 = 0.5; counting the four prompts as independent gives
+    0.289. Fails if ``set_metrics`` ignores ``problems`` (the eval would claim twice the evidence it has)."""
+    kw = dict(rewards=[1.0, 1.0, 0.0, 0.0], groups=[0, 1, 2, 3], lengths=[1] * 4, truncated=[False] * 4)
+    out = set_metrics("arith", 1, **kw, problems={0: "x", 1: "x", 2: "y", 3: "y"})
+    assert out["eval/arith/avg@1_stderr"] == pytest.approx(0.5)
+    assert out["eval/arith/pass@1_stderr"] == pytest.approx(0.5)
+    assert set_metrics("arith", 1, **kw)["eval/arith/avg@1_stderr"] == pytest.approx(math.sqrt(1 / 3) / 2)
+
+
+def test_paired_gain_from_records_is_clustered_by_problem(tmp_path):
+    """Per-prompt changes +1, +1 (problem x) and 0, 0 (problem y): gain 0.5, clustered error 0.5 over 2 problems.
+    Fails if the gain is taken over prompts as if independent (0.289), or if records without problem keys (written
+    before this rule) are silently accepted."""
+    from r3rl.eval.records import paired_gain, record_path, write_record
+
+    problems = ("x", "x", "y", "y")
+    write_record(tmp_path, "arith", 0, [0.0, 0.0, 0.0, 0.0], [0, 1, 2, 3], problems)
+    write_record(tmp_path, "arith", 5, [1.0, 1.0, 0.0, 0.0], [0, 1, 2, 3], problems)
+    gain, se, count = paired_gain(tmp_path, "arith", 0, 5)
+    assert (gain, count) == (0.5, 2) and se == pytest.approx(0.5)
+    record_path(tmp_path, "arith", 0).write_text('{"set": "arith", "step": 0, "prompt_means": [0, 0, 0, 0]}')
+    with pytest.raises(ValueError, match="problem keys"):
+        paired_gain(tmp_path, "arith", 0, 5)

@@ -87,3 +87,26 @@ def test_eval_sets_are_frozen():
     cfg = compose(["parallelism=cpu"])
     with pytest.raises(AttributeError, match="frozen"):
         cfg.eval.sets["arithmetic"].n_samples_per_prompt = 1  # type: ignore[misc]
+
+
+def test_loaded_sets_name_each_prompts_problem(tmp_path, tiny_model_dir):
+    """The default held-out set restates problems ('a + b' and 'b + a' are two prompts): each prompt carries its
+    normalised problem, the two orderings share one, and there are fewer problems than prompts. Fails if
+    ``EvalSet.problems`` is left empty or keyed by the templated text (every prompt its own problem), which would
+    make every eval error count a problem twice."""
+    from transformers import AutoTokenizer
+
+    from r3rl.eval.sets import load_sets
+
+    cfg = compose(["parallelism=cpu", f"run.data_dir={tmp_path}"])
+    ensure_prompts(cfg.data)
+    (s,) = load_sets(cfg, AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert len(s.problems) == len(s.prompts)
+    assert all(p.startswith("arithmetic: ") for p in s.problems)
+    assert len(set(s.problems)) < len(s.prompts)
+    by_problem = {}
+    for prompt, problem in zip(s.prompts, s.problems):
+        a, _, b = problem.removeprefix("arithmetic: ").split()
+        assert int(prompt.label) == int(a) + int(b)
+        by_problem.setdefault(problem, set()).add(prompt.line)
+    assert any(len(lines) == 2 for lines in by_problem.values())
