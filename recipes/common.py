@@ -31,7 +31,8 @@ from r3rl.orchestration.ray_cluster import start_or_attach
 from r3rl.plan import WandbNaming, build_plan, weight_sync_backend
 from r3rl.rollout.engine import EngineError
 from r3rl.sync.protocol import EngineSet
-from r3rl.sync.disk import update_weights_from_hf
+from r3rl.rollout.wire import INITIAL_WEIGHT_LABEL
+from r3rl.sync.disk import update_weights_from_hf, weight_version
 from r3rl.tracking.finished import finished_step, report_finished
 from r3rl.tracking.offline_reader import read_runs
 from r3rl.tracking.summary import print_summary
@@ -112,6 +113,8 @@ class Recipe:
             self.open_weight_sync()
             if meta is not None:  # engines load the HF checkpoint; a resumed policy has moved on from it
                 self.sync_weights(version=meta.step)
+            elif self.plan.attach_url:
+                self.adopt_attached_engines()
         self.logger = WandbLogger(cfg, wandb or self.plan.wandb, self.run_dir,
                                   resume_id=meta.wandb_run_id if meta else None)
         # again: ray.init installs its own SIGTERM handler in the driver (it aborts the process)
@@ -121,6 +124,18 @@ class Recipe:
 
     def engines_started(self) -> None:
         """Called once the engines answer, before the weight sync opens (GRPO: its rollout client)."""
+
+    def adopt_attached_engines(self) -> None:
+        """A fresh run on an attached engine that still serves weights another run labelled (any label but vLLM's
+        initial one): its samples would come from that run's policy, with versions this run never published. The
+        run's own initial weights are sent first, as version 0."""
+        labels = {url: weight_version(url) for url in self.engines.urls}
+        foreign = {url: label for url, label in labels.items() if label != INITIAL_WEIGHT_LABEL}
+        if foreign:
+            named = ", ".join(f"{url} (weights labelled {label!r})" for url, label in foreign.items())
+            console.print(f"[yellow]attached engine(s) {named} serve another run's weights; sending this run's "
+                          "initial weights as version 0 before the first step[/]")
+            self.sync_weights(version=0)
 
     def _write_process_table(self) -> None:
         """What this run started, by PID, so operators and tests can check that all of it is gone afterwards."""

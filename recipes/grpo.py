@@ -210,7 +210,10 @@ class GRPORecipe(common.Recipe):
         generated, timings["generate"] = future.result()  # an engine that failed raises here, naming itself
         self.ahead = None
         samples, stats = self.rollout(step, prompts, generated)  # graded; DAPO's further rounds generated now
-        samples, stale = staleness.drop_stale(samples, step - 1, self.max_staleness)
+        try:
+            samples, stale = staleness.drop_stale(samples, step - 1, self.max_staleness)
+        except staleness.StaleVersionError as err:  # ends the run like any engine fault: a clear line, exit 1
+            raise EngineError(f"step {step}: {err}") from err
         if step < cfg.run.num_steps:
             if staleness.must_sync(self.engine_version or 0, step - 1, self.max_staleness):
                 t = time.perf_counter()

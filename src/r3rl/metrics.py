@@ -139,7 +139,8 @@ GENERATION_ROUNDS = "rollout/generation_rounds"
 PADDED_GROUPS = "rollout/padded_groups"
 OVERLONG_PENALTY_MEAN = "rollout/overlong_penalty_mean"
 # algorithm.max_staleness >= 1: trainer versions between the weights that generated a sample and the weights it is
-# trained from (its log-probs' policy), mean and max over the step's samples; samples dropped for exceeding the bound
+# trained from (its log-probs' policy), mean and max over the step's samples; samples taken out of the loss because
+# their group holds one past the bound (whole groups go: r3rl.train.staleness.drop_stale)
 STALENESS_MEAN = "rollout/staleness_mean"
 STALENESS_MAX = "rollout/staleness_max"
 DROPPED_STALE = "rollout/dropped_stale"

@@ -28,9 +28,12 @@ class Panel:
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("Log-prob |trainer - rollout|: with vs without R3 replay", M.STEP_AXES["train"],
-          keys=(M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY), y_label="mean |log-prob diff| (band: ±1 stderr)"),
-    Panel("Routing flip rate per layer", M.STEP_AXES["r3"],
+    # one step off-policy the replayed routes are the older weights' choices in the newer weights: the figures then
+    # hold the policy lag too, and only the fresh samples' figure is the engine's mismatch alone
+    Panel("Log-prob |trainer - rollout|: with vs without R3 replay (max_staleness >= 1: mixed with policy lag)",
+          M.STEP_AXES["train"], keys=(M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_FRESH),
+          y_label="mean |log-prob diff| (band: ±1 stderr)"),
+    Panel("Routing flip rate per layer (max_staleness >= 1: mixed with policy lag)", M.STEP_AXES["r3"],
           keys=(M.ROUTING_FLIP_RATE,), pattern=r"r3/routing_flip_rate/layer_\d+", y_label="share of tokens"),
     Panel("Token mult prob error (NeMo-RL)", M.STEP_AXES["train"], keys=(M.TOKEN_MULT_PROB_ERROR,),
           y_label="mean exp(|log-prob diff|)"),

@@ -68,14 +68,31 @@ def status_from_finish_reason(finish_reason: object, *, url: str, index: int, re
     return status
 
 
-def _weight_version(spans: object) -> int | None:
-    """The oldest weight version that produced a token of the response (``None`` before any labelled update)."""
-    if not isinstance(spans, list) or not spans:
+# the label vLLM gives the weights it started with, before any update was labelled
+INITIAL_WEIGHT_LABEL = "default"
+
+
+def version_of_label(label: object, url: str, what: str = "weights") -> int | None:
+    """The step number of a weight label (``None`` for vLLM's initial label: the checkpoint's weights, version 0).
+    Anything else is an error naming the engine: a guessed version would mis-state every sample's staleness."""
+    if label == INITIAL_WEIGHT_LABEL:
         return None
-    try:
-        return min(int(s["version"]) for s in spans)
-    except (KeyError, TypeError, ValueError):
+    if isinstance(label, str) and label.isdigit():
+        return int(label)
+    raise EngineError(f"engine {url}: {what} labelled weight version {label!r}; r3rl labels the weights it sends "
+                      f"with its step number (or vLLM's {INITIAL_WEIGHT_LABEL!r} before the first update): was the "
+                      "engine updated by another process?", url=url)
+
+
+def _weight_version(spans: object, num_tokens: int, url: str, bad) -> int | None:
+    """The oldest weight version that produced a token of the response (``None``: the initial weights)."""
+    if num_tokens == 0 and not spans:
         return None
+    if not isinstance(spans, list) or not spans or not all(isinstance(s, dict) and "version" in s for s in spans):
+        raise bad(f"weight_versions is {spans!r} for {num_tokens} response tokens; expected the spans of the weight "
+                  "versions that generated them (vLLM reports them on every finished response)")
+    versions = [version_of_label(s["version"], url, "response tokens") for s in spans]
+    return min((v or 0 for v in versions), default=None) if any(v is not None for v in versions) else None
 
 
 def _logprobs(content: list, bad) -> np.ndarray:
@@ -163,6 +180,6 @@ def _sample_from_choice(choice: dict[str, Any], *, url: str, index: int, group: 
         prompt_ids=np.asarray(prompt, dtype=np.int32), response_ids=response_ids,
         rollout_logprobs=logprobs, loss_mask=np.full(len(response_ids), mask_value, dtype=np.float32),
         finish_reason=str(choice.get("finish_reason")), status=status, routed_experts=routed, label=label,
-        weight_version=_weight_version(spans),
+        weight_version=_weight_version(spans, len(response_ids), url, bad),
         extra={"engine": url, "stop_reason": choice.get("stop_reason"), "weight_versions": spans},
     )

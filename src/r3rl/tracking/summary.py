@@ -18,9 +18,10 @@ from rich.table import Table
 from r3rl import metrics as M
 
 KEY_METRICS: tuple[str, ...] = (
-    M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_PAIRED_DELTA, M.TOKEN_MULT_PROB_ERROR,
+    M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_PAIRED_DELTA, M.LOGPROB_ABS_DIFF_FRESH,
+    M.TOKEN_MULT_PROB_ERROR,
     M.K3_KL, M.ROUTING_FLIP_RATE,
-    M.REPLAY_MISMATCH_ROWS, M.REWARD_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS, M.GRAD_NORM, M.PERF_STEP_TIME,
+    M.REPLAY_MISMATCH_ROWS, M.REWARD_MEAN, M.GENERATION_ROUNDS, M.STALENESS_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS, M.GRAD_NORM, M.PERF_STEP_TIME,
     M.PERF_TOKENS_PER_S, M.SFT_LOSS, M.SFT_GRAD_NORM, M.SFT_TOKENS_PER_S,
 )
 REPLAY_RATIO = "logprob_abs_diff replay / no replay"
@@ -88,15 +89,29 @@ def replay_removes(history: Sequence[Mapping[str, Any]]) -> tuple[float, float, 
     return -s["mean"], s["mean_stderr"], int(s["steps"])
 
 
+def lagged_steps(history: Sequence[Mapping[str, Any]]) -> int:
+    """Steps that trained on samples older than the trainer's weights (``algorithm.max_staleness >= 1``). Their
+    mismatch figures, the paired delta and the flip rate mix two things: the engine's mismatch and the policy lag
+    (the replayed routes are the older weights' choices, put into the newer weights)."""
+    return sum(1 for row in history if row.get(M.STALENESS_MEAN, 0.0) > 0)
+
+
+MIXED_NOTE = ("mixes engine mismatch with policy lag (samples of older weights): not a clean measure of R3; "
+              f"{M.LOGPROB_ABS_DIFF_FRESH} is the engine's mismatch alone, where logged")
+
+
 def replay_removes_text(history: Sequence[Mapping[str, Any]]) -> str | None:
-    """``replay removes X ± se of |log-prob diff| per sample (...)``, the headline of an R3 run; None without one."""
+    """``replay removes X ± se of |log-prob diff| per sample (...)``, the headline of an R3 run; None without one.
+    Said to be mixed when any step trained on samples of older weights."""
     found = replay_removes(history)
     if found is None:
         return None
     removed, se, steps = found
     z = f", {removed / se:.1f} se" if se > 0 else ""
+    lagged = lagged_steps(history)
+    mixed = f"; on {lagged} of them it {MIXED_NOTE}" if lagged else ""
     return (f"replay removes {removed:.4g} ± {se:.2g} of |log-prob diff| per sample (paired on the same batch, "
-            f"standard error clustered by prompt{z}; {steps} step{'s' if steps != 1 else ''})")
+            f"standard error clustered by prompt{z}; {steps} step{'s' if steps != 1 else ''}{mixed})")
 
 
 def print_summary(history: Sequence[Mapping[str, Any]], console: Console | None = None,
@@ -117,4 +132,6 @@ def print_summary(history: Sequence[Mapping[str, Any]], console: Console | None 
     console.print(table)
     if (headline := replay_removes_text(history)) is not None:
         console.print(headline)
+    elif lagged := lagged_steps(history):
+        console.print(f"train/logprob_abs_diff* and r3/routing_flip_rate on {lagged} steps: {MIXED_NOTE}")
     return table

@@ -22,12 +22,13 @@ def routes(rows: int) -> str:
     return encode_routed_experts(np.tile(np.array([[0, 1], [2, 3]], np.uint8), (rows, 1, 1)))
 
 
-def body(finish="length", tokens=(5, 6), routed="auto", logprobs="auto", versions=None):
+def body(finish="length", tokens=(5, 6), routed="auto", logprobs="auto", versions="auto"):
     content = [{"token_id": t, "logprob": -0.5 - i} for i, t in enumerate(tokens)] if logprobs == "auto" else logprobs
     return {"request_id": "generate-tokens-x", "choices": [{
         "index": 0, "finish_reason": finish, "token_ids": list(tokens),
         "routed_experts": routes(len(PROMPT) + len(tokens) - 1) if routed == "auto" else routed,
-        "logprobs": {"content": content}, "weight_versions": versions}]}
+        "logprobs": {"content": content},
+        "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if versions == "auto" else versions}]}
 
 
 def parse(b, routes_spec=SPEC):
@@ -108,6 +109,32 @@ def test_a_logprob_that_is_not_a_finite_number_is_an_engine_error_naming_sample_
 
 def test_default_weight_version_is_none():
     assert parse(body(versions=[{"version": "default", "start": 0, "end": 2}])).weight_version is None
+
+
+def test_the_oldest_labelled_version_is_the_samples():
+    spans = [{"version": "4", "start": 0, "end": 1}, {"version": "5", "start": 1, "end": 2}]
+    assert parse(body(versions=spans)).weight_version == 4
+    mixed = [{"version": "default", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 2}]
+    assert parse(body(versions=mixed)).weight_version == 0
+
+
+@pytest.mark.parametrize("versions, what", [
+    (None, "weight_versions is None for 2 response tokens"),
+    ([], "weight_versions is [] for 2 response tokens"),
+    ([{"start": 0, "end": 2}], "expected the spans"),
+    ([{"version": "run7-step3", "start": 0, "end": 2}], "labelled weight version 'run7-step3'"),
+    ([{"version": "-1", "start": 0, "end": 2}], "labelled weight version '-1'"),
+])
+def test_a_missing_or_unparseable_weight_version_is_an_engine_error_naming_the_engine(versions, what):
+    """Fails if a response without its version, or with a label r3rl never sent, is read as version 0 (the old
+    behaviour): the sample's staleness, and with it the drop rule and the metrics, would be silently wrong."""
+    with pytest.raises(EngineError) as info:
+        parse(body(versions=versions))
+    assert "http://e:1" in str(info.value) and what in str(info.value), str(info.value)
+
+
+def test_an_empty_aborted_response_needs_no_version():
+    assert parse(body(finish="abort", tokens=(), routed=None, versions=None), routes_spec=None).weight_version is None
 
 
 def test_request_body_and_seeds():

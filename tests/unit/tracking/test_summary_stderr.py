@@ -37,3 +37,32 @@ def test_replay_removes_is_minus_the_paired_delta_with_the_pooled_clustered_erro
     assert (round(removed, 6), round(se, 6), steps) == (0.015, 0.0025, 2)
     assert replay_removes_text(history).startswith("replay removes 0.015 ± 0.0025 of |log-prob diff| per sample")
     assert replay_removes([{"_step": 1, "train/logprob_abs_diff": 0.03}]) is None
+
+
+def test_a_run_one_step_off_policy_is_said_to_mix_policy_lag_into_the_r3_figures(capsys):
+    """With samples of older weights (``rollout/staleness_mean`` > 0) the replayed routes are the older weights'
+    choices in the newer weights, so the paired delta is no clean measure of R3: the headline says so and names
+    the fresh figure; an in-turn run's headline does not. Fails if the async headline loses the note (a user would
+    read policy lag as R3's effect) or an in-turn run gets it."""
+    from rich.console import Console
+
+    from r3rl import metrics as M
+    from r3rl.tracking.summary import print_summary, replay_removes_text
+
+    key = M.LOGPROB_ABS_DIFF_PAIRED_DELTA
+    in_turn = [{"_step": s, key: -0.02, f"{key}_stderr": 0.003, M.STALENESS_MEAN: 0.0} for s in (1, 2)]
+    lagged = [{**in_turn[0], M.STALENESS_MEAN: 0.0}, {**in_turn[1], M.STALENESS_MEAN: 1.0}]
+    assert "policy lag" not in replay_removes_text(in_turn)
+    text = replay_removes_text(lagged)
+    assert "on 1 of them it mixes engine mismatch with policy lag" in text and M.LOGPROB_ABS_DIFF_FRESH in text
+    print_summary([{k: v for k, v in row.items() if k != key} for row in lagged], console=Console(width=200))
+    assert "mixes engine mismatch with policy lag" in capsys.readouterr().out
+
+
+def test_the_summary_carries_dapos_generation_rounds_and_the_staleness():
+    """Fails if the summary (what a README figure may quote) drops ``rollout/generation_rounds`` or the staleness."""
+    from r3rl import metrics as M
+
+    out = summarize([{"_step": 1, M.GENERATION_ROUNDS: 2.0, M.STALENESS_MEAN: 1.0},
+                     {"_step": 2, M.GENERATION_ROUNDS: 4.0, M.STALENESS_MEAN: 1.0}])
+    assert out[M.GENERATION_ROUNDS]["mean"] == 3.0 and out[M.STALENESS_MEAN]["max"] == 1.0
