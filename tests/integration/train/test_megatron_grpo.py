@@ -21,18 +21,34 @@ def params(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.bare.named_parameters()}
 
 
-def test_grpo_steps_lower_the_loss(new_trainer):
+def moved_toward_the_advantage(samples, adv, before, after) -> float:
+    """sum_i A_i x (mean log-prob change of response i over its loss tokens): > 0 when the policy made responses
+    with positive advantage more likely and those with negative advantage less likely, which is what the policy
+    gradient is for. A loss with its sign flipped also lowers its own value, but moves this the other way."""
+    return float(sum(a * float(((np.asarray(y) - np.asarray(x)) * s.loss_mask).sum() / s.loss_mask.sum())
+                     for s, a, x, y in zip(samples, adv, before, after)))
+
+
+def test_grpo_steps_raise_the_likelihood_of_advantaged_responses(new_trainer):
+    """Four PPO epochs on one rollout batch. Fails if the policy loss's sign flips (the responses with negative
+    advantage would gain probability), if advantages never reach the loss (nothing moves), if the ratio is not
+    taken against pi_old (the first epoch, where the policy is pi_old, would clip tokens), or if the optimizer does
+    not step."""
     # small enough that 4 steps stay inside the clip range (clipped tokens carry no gradient, the loss would plateau)
     trainer = new_trainer("trainer.micro_batch_size=2", "trainer.lr=3e-5")
     samples, adv = fixed_batch()
     old = trainer.logprobs(samples, replay=True).logprobs  # pi_old of this rollout batch, kept for all epochs
-    losses = []
+    steps = []
     for _ in range(4):
         m = trainer.train_step(samples, adv, replay=True, old_logprobs=old)
         assert m["optimizer_steps"] == 1 and m["skipped_steps"] == 0 and np.isfinite(m["grad_norm"])
-        losses.append(m["loss"])
+        steps.append(m)
+    after = trainer.logprobs(samples, replay=True).logprobs
+    assert moved_toward_the_advantage(samples, adv, old, after) > 0
+    losses = [m["loss"] for m in steps]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
-    assert m["step"] == 4 and m["clip_frac"] >= 0
+    assert steps[0]["clip_frac"] == 0.0  # ratio exactly 1 against pi_old before the first update
+    assert steps[-1]["step"] == 4
 
 
 def test_resume_reproduces_the_next_step_exactly(new_trainer, tmp_path):
@@ -77,5 +93,6 @@ def test_bfloat16_training_on_cpu_keeps_float32_master_weights(new_trainer):
     old = trainer.logprobs(samples, replay=True).logprobs
     losses = [trainer.train_step(samples, adv, replay=True, old_logprobs=old)["loss"] for _ in range(3)]
     assert losses[-1] < losses[0], losses
+    assert moved_toward_the_advantage(samples, adv, old, trainer.logprobs(samples, replay=True).logprobs) > 0
     # the bf16 weights are the rounded float32 masters
     assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(inner.params, inner.masters))
