@@ -50,6 +50,12 @@ def summarise(label: str, folder: Path) -> tuple[float, float]:
                            row.get(keys[1] + "_stderr", math.nan), keys))
     if not points:
         raise SystemExit(f"{folder}: no eval point logged (run.eval_every=0?)")
+    for key, what in (("rollout/generation_rounds", "DAPO generation rounds a step"),
+                      ("rollout/staleness_mean", "staleness (versions) a step")):
+        values = [row[key] for row in run.history if key in row]
+        if values:
+            print(f"{what}: mean {sum(values) / len(values):.2f}, min {min(values):g}, max {max(values):g} "
+                  f"({len(values)} steps)")
     avg_key, pass_key = points[0][-1]
     print(f"{'eval step':>9} {avg_key.split('/')[-1] + ' +- se':>18} {pass_key.split('/')[-1] + ' +- se':>18}")
     for step, avg, pas, avg_se, pas_se, _ in points:

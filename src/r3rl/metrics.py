@@ -64,12 +64,12 @@ LOGPROB_ABS_DIFF_NO_REPLAY_STDERR = "train/logprob_abs_diff_no_replay_stderr"
 # r3rl's paired figure: mean over samples of (replayed - unreplayed) |trainer - rollout|, stderr clustered by prompt
 LOGPROB_ABS_DIFF_PAIRED_DELTA = "train/logprob_abs_diff_paired_delta"
 LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR = "train/logprob_abs_diff_paired_delta_stderr"
-# figure -> the key of its standard error over samples
+# figure -> the key of its standard error (clustered by prompt: the samples of one prompt are not independent)
 STDERR_OF: dict[str, str] = {LOGPROB_ABS_DIFF: LOGPROB_ABS_DIFF_STDERR,
                              LOGPROB_ABS_DIFF_NO_REPLAY: LOGPROB_ABS_DIFF_NO_REPLAY_STDERR,
                              LOGPROB_ABS_DIFF_PAIRED_DELTA: LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR,
                              "rollout/reward_mean": "rollout/reward_stderr"}
-# eval/<set>/avg@k and pass@k log their standard error over prompts as <key>_stderr (r3rl.eval.scoring)
+# eval/<set>/avg@k and pass@k log their standard error, clustered by problem, as <key>_stderr (r3rl.eval.scoring)
 _EVAL_FIGURE = re.compile(r"eval/.+/(avg|pass)@\d+")
 
 

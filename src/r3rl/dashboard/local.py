@@ -41,7 +41,8 @@ def _short_label(run: OfflineRun, runs: Sequence[OfflineRun]) -> str:
 
 
 def _stderr_band(ax: Axes, run: OfflineRun, key: str, steps: list[int], ys: list[float], colour) -> None:
-    """+-1 standard error over samples around a figure that logs one (``metrics.stderr_of``)."""
+    """+-1 standard error (clustered: by prompt, by problem for eval) around a figure that logs one
+    (``metrics.stderr_of``)."""
     se_key = M.stderr_of(key)
     if se_key is None:
         return

@@ -1,8 +1,8 @@
 """The table printed at the end of a run: the key metrics over the steps logged.
 
-A figure with a standard error over samples (``metrics.stderr_of``) shows it next to it: per step for first and
-last, and for the mean over steps the standard error of that mean (steps are independent batches:
-sqrt(sum of squared per-step errors) / steps).
+A figure with a standard error (``metrics.stderr_of``: clustered by prompt, by problem for eval) shows it next to
+it: per step for first and last, and for the mean over steps the standard error of that mean (steps are independent
+batches: sqrt(sum of squared per-step errors) / steps).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from r3rl import metrics as M
 
 KEY_METRICS: tuple[str, ...] = (
     M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_PAIRED_DELTA, M.LOGPROB_ABS_DIFF_FRESH,
-    M.TOKEN_MULT_PROB_ERROR,
-    M.K3_KL, M.ROUTING_FLIP_RATE,
-    M.REPLAY_MISMATCH_ROWS, M.REWARD_MEAN, M.GENERATION_ROUNDS, M.STALENESS_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS, M.GRAD_NORM, M.PERF_STEP_TIME,
+    M.TOKEN_MULT_PROB_ERROR, M.K3_KL, M.ROUTING_FLIP_RATE, M.REPLAY_MISMATCH_ROWS, M.REWARD_MEAN,
+    M.GENERATION_ROUNDS, M.STALENESS_MEAN, M.RESPONSE_LENGTH_MEAN, M.LOSS, M.GRAD_NORM, M.PERF_STEP_TIME,
     M.PERF_TOKENS_PER_S, M.SFT_LOSS, M.SFT_GRAD_NORM, M.SFT_TOKENS_PER_S,
 )
 REPLAY_RATIO = "logprob_abs_diff replay / no replay"

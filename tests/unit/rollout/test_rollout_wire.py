@@ -28,7 +28,8 @@ def body(finish="length", tokens=(5, 6), routed="auto", logprobs="auto", version
         "index": 0, "finish_reason": finish, "token_ids": list(tokens),
         "routed_experts": routes(len(PROMPT) + len(tokens) - 1) if routed == "auto" else routed,
         "logprobs": {"content": content},
-        "weight_versions": [{"version": "default", "start": 0, "end": len(tokens)}] if versions == "auto" else versions}]}
+        "weight_versions": versions if versions != "auto" else [{"version": "default", "start": 0, "end": len(tokens)}],
+    }]}
 
 
 def parse(b, routes_spec=SPEC):

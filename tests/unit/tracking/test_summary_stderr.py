@@ -6,9 +6,9 @@ from r3rl.tracking.summary import fmt_cell, summarize
 
 
 def test_reward_and_eval_first_and_last_carry_their_standard_errors():
-    """Reward mean (clustered by prompt) and eval avg@k / pass@k (over prompts) show ``value ± se`` at the first and
-    last point, so a user sees at the end of ``make run`` whether the held-out score rose by more than its error.
-    Fails if ``metrics.stderr_of`` no longer maps those figures to their ``_stderr`` keys."""
+    """Reward mean (clustered by prompt) and eval avg@k / pass@k (clustered by problem) show ``value ± se`` at the
+    first and last point, so a user sees at the end of ``make run`` whether the held-out score rose by more than its
+    error. Fails if ``metrics.stderr_of`` no longer maps those figures to their ``_stderr`` keys."""
     history = [
         {"_step": 0, "eval/arithmetic/avg@4": 0.1, "eval/arithmetic/avg@4_stderr": 0.02,
          "eval/arithmetic/pass@4": 0.2, "eval/arithmetic/pass@4_stderr": 0.05},
