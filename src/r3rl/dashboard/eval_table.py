@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from r3rl import metrics as M
 from r3rl.tracking.offline_reader import OfflineRun
-from r3rl.tracking.summary import fmt_cell, replay_removes, summarize
+from r3rl.tracking.summary import fmt_cell, lagged_steps, replay_removes, summarize
 
 _ACCURACY = re.compile(r"eval/.+/(avg|pass)@\d+")
 
@@ -37,8 +37,10 @@ def mismatch_and_eval(runs: Sequence[OfflineRun]) -> list[tuple[str, list[str]]]
             rows.append((f"{key} (mean over steps)", [fmt_cell(s[key], "mean") if key in s else "" for s in stats]))
     removed = [replay_removes(r.history) for r in runs]
     if any(removed):
+        # one step off-policy it also holds the policy lag (r3rl.tracking.summary.lagged_steps): no clean R3 figure
         rows.append(("replay removes, paired (± se clustered by prompt)",
-                     [f"{x[0]:.4g} ± {x[1]:.2g}" if x else "" for x in removed]))
+                     [f"{x[0]:.4g} ± {x[1]:.2g}" + (" (mixed with policy lag)" if lagged_steps(r.history) else "")
+                      if x else "" for x, r in zip(removed, runs)]))
     for key in accuracy:
         rows.append((f"{key} first", [_point(r, key, last=False) for r in runs]))
         rows.append((f"{key} last", [_point(r, key, last=True) for r in runs]))

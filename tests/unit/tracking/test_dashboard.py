@@ -79,7 +79,25 @@ def test_headline_says_what_replay_removes_with_its_paired_error(run_dirs, tmp_p
     assert "standard error clustered by prompt" in heads[0]
     row = page[page.index("replay removes, paired"):].split("</tr>")[0]
     assert row.count(" ± ") == 1  # the R3 run's cell; the R3-off run has no paired pass
+    assert "policy lag" not in row  # in turn: the paired figure is R3's own
     assert "replay removes" in json.dumps(report_spec(build_report(runs, entity="e", project="r3rl")))
+
+
+def test_the_comparison_table_says_an_async_runs_paired_figure_is_mixed():
+    """A run with samples of older weights (staleness > 0) gets its "replay removes" cell marked as mixed with policy
+    lag. Fails if the dashboard presents the async paired delta as a clean measure of R3."""
+    from r3rl.dashboard.eval_table import mismatch_and_eval
+    from r3rl.tracking.offline_reader import OfflineRun
+
+    key = "train/logprob_abs_diff_paired_delta"
+
+    def run(staleness: float) -> OfflineRun:
+        history = [{"_step": s, key: -0.01, f"{key}_stderr": 0.002, "rollout/staleness_mean": staleness}
+                   for s in (1, 2)]
+        return OfflineRun("id", "n", "g", (), "p", "e", {}, history, {})
+
+    (row,) = [cells for name, cells in mismatch_and_eval([run(1.0), run(0.0)]) if name.startswith("replay removes")]
+    assert "(mixed with policy lag)" in row[0] and "policy lag" not in row[1]
 
 
 def test_report_object_validates_offline(run_dirs):
