@@ -31,7 +31,7 @@ from r3rl.orchestration.ray_cluster import start_or_attach
 from r3rl.plan import WandbNaming, build_plan, weight_sync_backend
 from r3rl.rollout.engine import EngineError
 from r3rl.sync.protocol import EngineSet
-from r3rl.rollout.wire import INITIAL_WEIGHT_LABEL
+from r3rl.rollout.wire import foreign_weight_labels
 from r3rl.sync.disk import update_weights_from_hf, weight_version
 from r3rl.tracking.finished import finished_step, report_finished
 from r3rl.tracking.offline_reader import read_runs
@@ -129,8 +129,7 @@ class Recipe:
         """A fresh run on an attached engine that still serves weights another run labelled (any label but vLLM's
         initial one): its samples would come from that run's policy, with versions this run never published. The
         run's own initial weights are sent first, as version 0."""
-        labels = {url: weight_version(url) for url in self.engines.urls}
-        foreign = {url: label for url, label in labels.items() if label != INITIAL_WEIGHT_LABEL}
+        foreign = foreign_weight_labels({url: weight_version(url) for url in self.engines.urls})
         if foreign:
             named = ", ".join(f"{url} (weights labelled {label!r})" for url, label in foreign.items())
             console.print(f"[yellow]attached engine(s) {named} serve another run's weights; sending this run's "

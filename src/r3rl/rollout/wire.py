@@ -7,7 +7,7 @@ produced no token); then tokens, log-probs, and with routing replay the routed e
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,12 @@ def status_from_finish_reason(finish_reason: object, *, url: str, index: int, re
 
 # the label vLLM gives the weights it started with, before any update was labelled
 INITIAL_WEIGHT_LABEL = "default"
+
+
+def foreign_weight_labels(labels: Mapping[str, object]) -> dict[str, object]:
+    """Engine URL -> its weight label, for the engines whose weights some update labelled (anything but vLLM's
+    initial label): at a fresh run's start they serve weights that are not the run's checkpoint."""
+    return {url: label for url, label in labels.items() if label != INITIAL_WEIGHT_LABEL}
 
 
 def version_of_label(label: object, url: str, what: str = "weights") -> int | None:

@@ -9,6 +9,7 @@ import pytest
 
 from rollout_helpers import HFReference, perturbed_checkpoint
 from r3rl.config.schema import SamplingConfig
+from r3rl.rollout.wire import foreign_weight_labels
 from r3rl.sync.disk import update_weights_from_hf, weight_checksums, weight_version
 
 pytestmark = pytest.mark.integration
@@ -34,6 +35,8 @@ def test_update_serves_new_weights_and_restores_old_ones_exactly(r3_engine, r3_c
         assert {f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(4) for w in ("w13_weight",
                 "w2_weight")} <= changed
         assert weight_version(url) == "1"
+        # what a fresh run attached to this engine now finds: weights another run labelled (it sends its own first)
+        assert foreign_weight_labels({url: weight_version(url)}) == {url: "1"}
         new = client.generate_sync(PROMPTS, 2, sampling, step=0)
         for sample in new:
             assert sample.weight_version == 1

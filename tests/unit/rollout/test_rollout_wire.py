@@ -182,3 +182,12 @@ def test_one_request_for_a_prompts_samples_maps_choice_j_to_sample_first_plus_j(
         parse_choices({"choices": [choices[0], choices[1], {**choices[2], "index": 1}]}, **kwargs)
     with pytest.raises(EngineError, match=r"sample 10 \(request rid-8x3\): log-probs for 0 tokens, expected 3"):
         parse_choices({"choices": [choices[0], choices[1], {**choices[2], "logprobs": None}]}, **kwargs)
+
+
+def test_engines_whose_weights_another_update_labelled_are_named():
+    """Fails if an attached engine that still serves another run's weights (labelled '37') were taken for one
+    serving the checkpoint (vLLM's initial label): the run would train on another policy's samples."""
+    from r3rl.rollout.wire import foreign_weight_labels
+
+    labels = {"http://a:1": "default", "http://b:2": "37", "http://c:3": None}
+    assert foreign_weight_labels(labels) == {"http://b:2": "37", "http://c:3": None}
