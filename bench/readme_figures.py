@@ -13,6 +13,7 @@ standard error clustered by prompt; the mean over steps with the standard error 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -47,7 +48,10 @@ def run_default(out_dir: str, overrides: list[str]) -> tuple[object, list[dict[s
 
 
 def _pm(value: float, err: float) -> str:
-    return f"{value:.4f} ± {err:.4f}"
+    # two significant digits of the error, at least four decimals: a figure of 0.0002 ± 0.00005 must not print as
+    # "0.0002 ± 0.0000"
+    digits = max(4, 1 - math.floor(math.log10(err))) if err > 0 and math.isfinite(err) else 4
+    return f"{value:.{digits}f} ± {err:.{digits}f}"
 
 
 def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
@@ -66,8 +70,8 @@ def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
         f"{sum(tokens) / len(tokens):.0f} response tokens per step on average; from the SFT warm start"
         f"{'' if cfg.warm_start.enabled else ' (off here)'}; bf16 engine, fp32 trainer, fixed "
         f"seeds). `train/logprob_abs_diff` with replay and without replay on the same batch, ± the standard error "
-        f"over the step's samples; replay removes = minus `train/logprob_abs_diff_paired_delta`, ± its standard "
-        f"error clustered by prompt:",
+        f"over the step's samples clustered by prompt; replay removes = minus "
+        f"`train/logprob_abs_diff_paired_delta`, ± its standard error clustered by prompt:",
         "",
         "| step | with replay (R3) | without replay | replay removes (paired) | ratio | routing flip rate | "
         "replay mismatch rows |",
@@ -88,7 +92,7 @@ def readme_block(cfg, history: list[dict[str, float]], wall_s: float) -> str:
                  f"{stats[M.REPLAY_MISMATCH_ROWS]['max']:.0f} |")
     lines += [
         "",
-        f"Replay removes {removed:.4f} ± {removed_se:.4f} of mismatch per sample ({removed / removed_se:.1f} "
+        f"Replay removes {_pm(removed, removed_se)} of mismatch per sample ({removed / removed_se:.1f} "
         f"standard errors of the paired difference, clustered by prompt; per-step ratio "
         f"{stats[REPLAY_RATIO]['min']:.2f}-{stats[REPLAY_RATIO]['max']:.2f}). The run took {wall_s / 60:.1f} min "
         f"(setup and {cfg.run.num_steps} steps, without the install).",

@@ -57,9 +57,6 @@ def set_metrics(name: str, n: int, rewards: Sequence[float], groups: Sequence[in
         raise ValueError(f"eval set {name}: rewards, groups, lengths and truncated must be equal and non-empty")
     prompts = np.unique(g)
     clusters = [problems[int(p)] for p in prompts] if problems is not None else list(prompts)
-
-    def _mean_and_stderr(x: np.ndarray) -> tuple[float, float]:
-        return M.mean_and_stderr(x, clusters)
     per_prompt = [r[g == p] for p in prompts]
     if any(len(x) != n for x in per_prompt):
         counts = sorted({len(x) for x in per_prompt})
@@ -67,11 +64,11 @@ def set_metrics(name: str, n: int, rewards: Sequence[float], groups: Sequence[in
     correct = [int((x >= CORRECT).sum()) for x in per_prompt]
     keys = metric_keys(name, n, k)
     out: dict[str, float] = {}
-    out[keys["avg"]], out[keys["avg_stderr"]] = _mean_and_stderr(np.asarray([x.mean() for x in per_prompt]))
-    out[keys["pass"]], out[keys["pass_stderr"]] = _mean_and_stderr(np.asarray([pass_at_k(n, c, n) for c in correct]))
+    out[keys["avg"]], out[keys["avg_stderr"]] = M.mean_and_stderr([x.mean() for x in per_prompt], clusters)
+    out[keys["pass"]], out[keys["pass_stderr"]] = M.mean_and_stderr([pass_at_k(n, c, n) for c in correct], clusters)
     if "pass_k" in keys:
-        out[keys["pass_k"]], out[keys["pass_k_stderr"]] = _mean_and_stderr(
-            np.asarray([pass_at_k(n, c, k) for c in correct]))
+        out[keys["pass_k"]], out[keys["pass_k_stderr"]] = M.mean_and_stderr(
+            [pass_at_k(n, c, k) for c in correct], clusters)
     out[keys["length"]] = float(np.mean(lengths))
     out[keys["truncated"]] = float(np.mean(np.asarray(truncated, dtype=np.float64)))
     return out

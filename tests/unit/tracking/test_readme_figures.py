@@ -27,8 +27,14 @@ def test_block_from_a_run_replaces_the_readme_block_whole(figures, make_step_met
     assert f"3 steps of {samples} samples" in block and "| mean |" in block and " ± " in block
     # the headline is the paired figure: minus the mean paired delta over the steps (fails if the sign flips or the
     # unpaired difference of the two means comes back)
+    from r3rl.tracking.summary import replay_removes
+
     removed = -sum(row["train/logprob_abs_diff_paired_delta"] for row in history) / 3
-    assert f"Replay removes {removed:.4f} ± " in block and "clustered by prompt" in block
+    found, se, _ = replay_removes(history)
+    assert found == pytest.approx(removed)
+    assert f"Replay removes {figures._pm(removed, se)} of" in block and "clustered by prompt" in block
+    # an error below 0.0001 keeps two significant digits instead of printing as 0.0000
+    assert figures._pm(0.000177, 0.000047) == "0.000177 ± 0.000047" and figures._pm(0.25, 0.03) == "0.2500 ± 0.0300"
     assert block.startswith(figures.BEGIN) and block.endswith(figures.END)
 
     readme = tmp_path / "README.md"
