@@ -22,7 +22,7 @@ from r3rl.tracking.summary import replay_removes, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from readme_figures import write_block  # noqa: E402
+from readme_figures import _pm, write_block  # noqa: E402
 
 REPLAYS = ("none", "r2", "r3")
 CORRECTIONS = ("none", "tis")
@@ -68,15 +68,17 @@ def cell(stats: dict, key: str, digits: int) -> str:
     return f"{s['mean']:.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
 
 
-def table(histories: dict[tuple[str, str], list[dict]], steps: int) -> str:
+def table(histories: dict[tuple[str, str], list[dict]], steps: int, overrides: list[str] | tuple = ()) -> str:
     from r3rl.config import compose
 
     keys = tuple(k for _, k, _ in COLUMNS)
+    warm = compose(["parallelism=cpu", *GRID, *overrides]).warm_start.enabled
+    model = "the SFT warm-started tiny model" if warm else "the tiny model as initialised (no warm start)"
     cap = compose(["parallelism=cpu", "correction=tis"]).correction.ratio_high
     lines = [
         BEGIN,
-        f"`python bench/replay_grid.py` ({steps} steps of 16 samples = 4 prompts x 4 per run, the tiny model as "
-        f"initialised (no warm start), bf16 engine vs fp32 trainer, same seeds; mean over the steps ± the standard "
+        f"`python bench/replay_grid.py{''.join(' ' + o for o in overrides)}` ({steps} steps of 16 samples = 4 "
+        f"prompts x 4 per run, {model}, bf16 engine vs fp32 trainer, same seeds; mean over the steps ± the standard "
         f"error of that mean; C = `correction.ratio_high` = {cap:g}):",
         "",
         "| replay | correction | " + " | ".join(c for c, _, _ in COLUMNS) + " | replay removes (paired) |",
@@ -85,7 +87,7 @@ def table(histories: dict[tuple[str, str], list[dict]], steps: int) -> str:
     for (replay, correction), history in histories.items():
         stats = summarize(history, keys=keys)
         removed = replay_removes(history)
-        paired = f"{removed[0]:.4f} ± {removed[1]:.4f}" if removed else "-"
+        paired = _pm(*removed[:2]) if removed else "-"
         lines.append(f"| {replay} | {correction} | " + " | ".join(cell(stats, k, d) for _, k, d in COLUMNS)
                      + f" | {paired} |")
     lines.append(END)
@@ -106,7 +108,7 @@ def main() -> None:
     folders = run_grid(Path(args.out).resolve(), args.overrides)
     runs = {cell_: read_run(folder) for cell_, folder in folders.items()}
     histories = {cell_: [row for row in run.history if M.LOGPROB_ABS_DIFF in row] for cell_, run in runs.items()}
-    block = table(histories, steps=max(len(h) for h in histories.values()))
+    block = table(histories, steps=max(len(h) for h in histories.values()), overrides=args.overrides)
     print(block)
     if args.write_readme:
         write_block(REPO / "README.md", block, BEGIN, END)
