@@ -167,6 +167,8 @@ class GRPORecipe(common.Recipe):
             prompt_lengths=[len(s.prompt_ids) for s in samples],
             routing_flip_per_layer=live.flip_per_layer if live is not None else None,
             routing_flip_per_layer_prompt=live.flip_per_layer_prompt if live is not None else None,
+            router_per_layer=(live.margin_per_layer, live.small_margin_per_layer, live.load_max_vio_per_layer)
+            if live is not None and live.margin_per_layer is not None else None,
             sample_groups=[s.group for s in samples],
             replay_mismatch_rows=replay_mismatch_rows(replayed) if self.r3 else None,
             loss=train_out.get("loss"),

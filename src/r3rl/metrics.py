@@ -22,6 +22,9 @@ Names follow prior art so runs compare with other stacks:
   real sample once (no micro-batch padding slot); ``r3/routing_flip_rate_prompt``: the same over the prompt rows
   (0 .. P-2). The trainer counts the flips per layer in its router hooks (``r3rl.train.replay.RouteProbe``), this
   module names and averages them.
+- ``r3/router_margin_mean``, ``r3/router_margin_small_share``, ``r3/expert_load_max_vio`` (r3rl's; MaxVio's
+  definition from the auxiliary-loss-free balancing paper): what explains a flip rate, over the same rows and
+  pass, from the trainer's own router logits (``router_margins``, ``max_vio``).
 - ``r3/replay_mismatch_rows``: (token, layer) rows where the routing map Megatron used under replay differs from
   the rollout's route stored on the ``Sample`` for that token and layer, mapped back through the inverse of the
   packing; 0 proves that every replayed route reached its token and layer.
@@ -85,6 +88,15 @@ ROUTING_FLIP_RATE = "r3/routing_flip_rate"
 ROUTING_FLIP_RATE_LAYER = "r3/routing_flip_rate/layer_{layer:02d}"
 ROUTING_FLIP_RATE_PROMPT = "r3/routing_flip_rate_prompt"
 REPLAY_MISMATCH_ROWS = "r3/replay_mismatch_rows"
+# what explains a flip rate, over the same response rows, from the trainer's own router logits: the margin between
+# the k-th and (k+1)-th logit (mean, and share of rows under SMALL_ROUTER_MARGIN), and the expert load's MaxVio
+ROUTER_MARGIN_MEAN = "r3/router_margin_mean"
+ROUTER_MARGIN_SMALL_SHARE = "r3/router_margin_small_share"
+EXPERT_LOAD_MAX_VIO = "r3/expert_load_max_vio"
+EXPERT_LOAD_MAX_VIO_LAYER = "r3/expert_load_max_vio/layer_{layer:02d}"
+# a router margin (in logits) below this is within reach of the engine/trainer numerics: bfloat16 keeps 8 bits of
+# mantissa, so logits of magnitude 1-8 round by up to ~0.004-0.03 in the engine before any difference upstream
+SMALL_ROUTER_MARGIN = 0.05
 # R2: the trainer's own routes, recorded in the old-log-prob pass, replayed in that batch's training forwards
 R2_REPLAY_MISMATCH_ROWS = "r2/replay_mismatch_rows"
 R2_REPLAYED_ROWS = "r2/replayed_rows"
@@ -385,6 +397,42 @@ def routing_flip_metrics(per_layer: Sequence[float] | np.ndarray,
     return out
 
 
+def router_margins(logits: np.ndarray, k: int) -> np.ndarray:
+    """Per row of router logits ``[rows, E]`` (E > k; any top-(k+1) of them gives the same), the k-th largest
+    logit minus the (k+1)-th: how far the last chosen expert stands from the first one left out. A flip needs a
+    numerical difference larger than this margin."""
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] <= k:
+        raise ValueError(f"router margins: need logits [rows, E] with E > k={k}, got shape {x.shape}")
+    top = -np.sort(-x, axis=1)[:, :k + 1]
+    return top[:, k - 1] - top[:, k]
+
+
+def max_vio(load: Sequence[float] | np.ndarray) -> float:
+    """MaxVio of one layer's expert load (tokens routed to each expert): max load / mean load - 1 (Wang et al.
+    2024, "Auxiliary-loss-free load balancing"); 0 for a perfectly balanced layer, E - 1 when one expert takes every
+    token (top-1); NaN without tokens."""
+    x = np.asarray(load, dtype=np.float64)
+    mean = x.mean() if x.size else 0.0
+    return float(x.max() / mean - 1.0) if mean > 0 else float("nan")
+
+
+def router_metrics(margin_per_layer: Sequence[float] | np.ndarray, small_per_layer: Sequence[float] | np.ndarray,
+                   max_vio_per_layer: Sequence[float] | np.ndarray) -> dict[str, float]:
+    """``r3/router_margin_mean`` and ``r3/router_margin_small_share`` (means over layers: every layer sees the same
+    rows), ``r3/expert_load_max_vio`` (mean over layers) and one MaxVio key per layer."""
+    vio = np.asarray(max_vio_per_layer, dtype=np.float64)
+
+    def mean(values) -> float:
+        v = np.asarray(values, dtype=np.float64)
+        return float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
+
+    out = {ROUTER_MARGIN_MEAN: mean(margin_per_layer), ROUTER_MARGIN_SMALL_SHARE: mean(small_per_layer),
+           EXPERT_LOAD_MAX_VIO: mean(vio)}
+    out.update({EXPERT_LOAD_MAX_VIO_LAYER.format(layer=i): float(v) for i, v in enumerate(vio)})
+    return out
+
+
 def reward_stats(rewards: Sequence[float], groups: Sequence | None = None) -> dict[str, float]:
     """Mean, spread and range of a step's rewards; with ``groups`` (each sample's prompt) the clustered standard
     error of the mean too."""
@@ -447,6 +495,7 @@ def step_metrics(
     prompt_lengths: Sequence[int] = (),
     routing_flip_per_layer: Sequence[float] | np.ndarray | None = None,
     routing_flip_per_layer_prompt: Sequence[float] | np.ndarray | None = None,
+    router_per_layer: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     sample_groups: Sequence | np.ndarray | None = None,
     replay_mismatch_rows: float | None = None,
     loss: float | None = None,
@@ -463,6 +512,8 @@ def step_metrics(
     prompt of each sample) the paired delta (replayed - unreplayed, per sample) and its prompt-clustered standard
     error are logged. ``routing_flip_per_layer``: the trainer's flip rate per layer over the response rows
     (``routing_flip_per_layer_prompt``: over the prompt rows);
+    ``router_per_layer``: (margin mean, small-margin share, expert-load MaxVio) per layer, from the same pass as
+    the flip rate (``router_metrics``);
     ``replay_mismatch_rows``: its count of replayed rows that missed the rollout's route (R3 on only). Inputs left
     None are not logged.
     """
@@ -494,6 +545,8 @@ def step_metrics(
     out.update(response_length_stats(response_lengths))
     if routing_flip_per_layer is not None:
         out.update(routing_flip_metrics(routing_flip_per_layer, routing_flip_per_layer_prompt))
+    if router_per_layer is not None:
+        out.update(router_metrics(*router_per_layer))
     if replay_mismatch_rows is not None:
         out[REPLAY_MISMATCH_ROWS] = float(replay_mismatch_rows)
     if timings_s is not None or step_time_s is not None:

@@ -171,3 +171,35 @@ def test_step_metrics_without_replay_logs_the_same_figure_twice():
     assert out["train/logprob_abs_diff_no_replay"] == out["train/logprob_abs_diff"] == pytest.approx(0.225)
     assert out["train/logprob_abs_diff_no_replay_stderr"] == out["train/logprob_abs_diff_stderr"]
     assert not any(k.startswith(("r3/", "perf/", "rollout/")) for k in out)  # inputs not given are not logged
+
+
+def test_router_margin_is_the_gap_between_the_kth_and_the_next_logit():
+    """Top-2 of logits [3.0, 1.0, 0.9, -2] leaves out 0.9: margin 1.0 - 0.9 = 0.1; of [0.5, 0.5, 0.5, 0.0] the 2nd
+    and 3rd tie: margin 0 (a flip is one rounding away). Fails if the margin is taken between the 1st and 2nd logit,
+    or after a softmax, or if the row order is lost."""
+    logits = np.array([[3.0, 1.0, 0.9, -2.0], [0.5, 0.5, 0.0, 0.5]])
+    assert np.allclose(M.router_margins(logits, 2), [0.1, 0.0])
+    assert np.allclose(M.router_margins(logits[:, [3, 2, 1, 0]], 2), [0.1, 0.0])  # column order does not matter
+    assert np.allclose(M.router_margins(logits, 1), [2.0, 0.0])
+    with pytest.raises(ValueError, match="E > k"):
+        M.router_margins(logits, 4)
+
+
+def test_max_vio_is_max_load_over_mean_load_minus_one():
+    """Loads 6, 2, 2, 2 (mean 3): MaxVio 1; a balanced layer 0; one expert taking all top-1 tokens of 4 experts: 3.
+    Fails if it divides by the min or the total, or forgets the -1."""
+    assert M.max_vio([6, 2, 2, 2]) == pytest.approx(1.0)
+    assert M.max_vio([5, 5, 5, 5]) == 0.0
+    assert M.max_vio([8, 0, 0, 0]) == pytest.approx(3.0)
+    assert math.isnan(M.max_vio([0, 0]))
+
+
+def test_router_metrics_average_layers_and_keep_one_max_vio_per_layer():
+    out = M.router_metrics([0.2, 0.4], [0.5, 0.0], [1.0, 3.0])
+    assert out[M.ROUTER_MARGIN_MEAN] == pytest.approx(0.3)
+    assert out[M.ROUTER_MARGIN_SMALL_SHARE] == pytest.approx(0.25)
+    assert out[M.EXPERT_LOAD_MAX_VIO] == pytest.approx(2.0)
+    assert out["r3/expert_load_max_vio/layer_01"] == 3.0
+    step = M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS,
+                          router_per_layer=(np.array([0.2, 0.4]), np.array([0.5, 0.0]), np.array([1.0, 3.0])))
+    assert step[M.EXPERT_LOAD_MAX_VIO] == pytest.approx(2.0)

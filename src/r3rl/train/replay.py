@@ -12,6 +12,7 @@ second model in the process is never armed (pitfall P12).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from r3rl import metrics as M
 from r3rl.train.batch import MicroBatch
 from r3rl.train.layout import TokenLayout
 from r3rl.train.routes import PackedRoutes
@@ -118,9 +120,11 @@ def forget_instances(routers: list) -> None:
 class ProbeCounts:
     """Per global layer: response rows (positions P-1 .. T-2, whose output scores a response token) of the real
     samples (not micro-batch padding slots) and of those how many top-k sets the router itself would pick
-    differently than the rollout (flips); the same for the prompt rows (0 .. P-2); and, under replay, every row
+    differently than the rollout (flips); the same for the prompt rows (0 .. P-2); under replay, every row
     with a rollout route checked against the rollout and those whose routing map differed from the rollout's route
-    for that token (must stay 0)."""
+    for that token (must stay 0); and over the response rows, what explains a flip rate: the sum of the router's
+    margins (k-th minus (k+1)-th logit), the rows whose margin is small (``metrics.SMALL_ROUTER_MARGIN``), and the
+    load of each expert under the router's own top-k (``expert_load``, ``[L, E]``)."""
 
     routed_rows: np.ndarray
     flips: np.ndarray
@@ -128,19 +132,31 @@ class ProbeCounts:
     replay_mismatches: np.ndarray
     prompt_rows: np.ndarray
     prompt_flips: np.ndarray
+    margin_sum: np.ndarray
+    small_margins: np.ndarray
+    expert_load: np.ndarray
 
     @classmethod
-    def zeros(cls, num_layers: int) -> "ProbeCounts":
-        return cls(*(np.zeros(num_layers, dtype=np.int64) for _ in range(6)))
+    def zeros(cls, num_layers: int, num_experts: int) -> "ProbeCounts":
+        counts = [np.zeros(num_layers, dtype=np.int64) for _ in range(6)]
+        return cls(*counts, np.zeros(num_layers), np.zeros(num_layers, dtype=np.int64),
+                   np.zeros((num_layers, num_experts), dtype=np.int64))
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.routed_rows, self.flips, self.replay_rows, self.replay_mismatches,
-                                          self.prompt_rows, self.prompt_flips]))
+        """Every field flattened into one float64 vector (one collective; counts stay exact below 2^53)."""
+        return torch.from_numpy(np.concatenate([np.asarray(getattr(self, f.name), np.float64).ravel()
+                                                for f in dataclasses.fields(self)]))
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "ProbeCounts":
-        a = t.cpu().numpy()
-        return cls(*(a[i].copy() for i in range(6)))
+    def from_tensor(cls, t: torch.Tensor, num_layers: int, num_experts: int) -> "ProbeCounts":
+        flat, template, fields = t.cpu().numpy(), cls.zeros(num_layers, num_experts), []
+        offset = 0
+        for f in dataclasses.fields(cls):
+            like = getattr(template, f.name)
+            part = flat[offset:offset + like.size].reshape(like.shape)
+            fields.append(np.round(part).astype(np.int64) if like.dtype == np.int64 else part)
+            offset += like.size
+        return cls(*fields)
 
 
 def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -200,7 +216,7 @@ class RouteProbe:
 
     def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray]):
         self.routers = routers
-        self.counts = ProbeCounts.zeros(num_layers)
+        self.counts = ProbeCounts.zeros(num_layers, routers[0].config.num_moe_experts)
         self.layout = layout
         self.routes = routes
         self._expected: _Expected | None = None
@@ -218,15 +234,27 @@ class RouteProbe:
         layer = router.layer_number - 1
         hidden = args[0]
         with torch.no_grad():
-            logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
+            experts = router.config.num_moe_experts
+            logits = router.gating(hidden).view(-1, experts)
             rows, rollout = self._expected.layer(layer, logits.device)
-            own = torch.topk(logits[rows], router.topk, dim=-1).indices
-            flipped = (~_same_sets(own, rollout)).cpu().numpy()
+            # the top k+1 logits carry the router's own top-k and its margin (k-th minus (k+1)-th logit)
+            top = torch.topk(logits[rows].float(), min(router.topk + 1, experts), dim=-1)
+            own = top.indices[:, :router.topk]
+            # one copy to the host per router call: the flips, the top logits and the router's own choice
+            host = torch.cat([(~_same_sets(own, rollout)).float()[:, None], top.values, own.float()], dim=1)
+            host = host.cpu().numpy()
+            n = top.values.shape[1]
+            flipped, values, chosen = host[:, 0] > 0, host[:, 1:1 + n], host[:, 1 + n:].astype(np.int64)
             response, prompt = self._expected.response, self._expected.prompt
             self.counts.routed_rows[layer] += int(response.sum())
             self.counts.flips[layer] += int((flipped & response).sum())
             self.counts.prompt_rows[layer] += int(prompt.sum())
             self.counts.prompt_flips[layer] += int((flipped & prompt).sum())
+            if experts > router.topk:
+                margins = M.router_margins(values, router.topk)[response]
+                self.counts.margin_sum[layer] += float(margins.sum())
+                self.counts.small_margins[layer] += int((margins < M.SMALL_ROUTER_MARGIN).sum())
+            self.counts.expert_load[layer] += np.bincount(chosen[response].ravel(), minlength=experts)
             if self._replaying:
                 used = output[1].view(-1, router.config.num_moe_experts)[rows].bool()
                 expected = torch.zeros_like(used).scatter(1, rollout, True)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from r3rl import metrics as M
 from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
 from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim, sft
@@ -39,6 +40,11 @@ class LogprobResult:
     # the trainer's own routes of this pass, ``[T-1, L, K]`` per sample (R2 records them); None unless asked
     recorded_routes: list[np.ndarray] | None = None
     flip_per_layer_prompt: np.ndarray | None = None  # float [L]: the same over the prompt rows (0 .. P-2)
+    # float [L] each, over the response rows, from the router's own logits: the mean margin (k-th minus (k+1)-th
+    # logit), the share of rows with a small one, and the expert load's MaxVio (max load / mean load - 1)
+    margin_per_layer: np.ndarray | None = None
+    small_margin_per_layer: np.ndarray | None = None
+    load_max_vio_per_layer: np.ndarray | None = None
 
     @property
     def flip_rate(self) -> float:
@@ -278,7 +284,8 @@ class MegatronTrainer:
     def _reduce_counts(self, counts: ProbeCounts) -> ProbeCounts:
         t = counts.as_tensor().to(self.device)
         layer_groups = [self._ps.get_pipeline_model_parallel_group()] if self.pipelined else []
-        return ProbeCounts.from_tensor(collect.sum_over(t, self._row_groups() + layer_groups))
+        return ProbeCounts.from_tensor(collect.sum_over(t, self._row_groups() + layer_groups),
+                                       self.cfg.model.num_layers, self.cfg.model.num_experts)
 
     def _reduce_sums(self, values: torch.Tensor) -> torch.Tensor:
         """Loss-token statistics: summed over data/context parallel on the last stage, shared with every stage."""
@@ -312,14 +319,17 @@ class MegatronTrainer:
         if counts is None:
             return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0, own)
         counts = self._reduce_counts(counts)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            flips = np.where(counts.routed_rows > 0, counts.flips / np.maximum(counts.routed_rows, 1), np.nan)
-            prompt = np.where(counts.prompt_rows > 0, counts.prompt_flips / np.maximum(counts.prompt_rows, 1),
-                              np.nan)
+        def per_row(total: np.ndarray, rows: np.ndarray) -> np.ndarray:
+            return np.where(rows > 0, total / np.maximum(rows, 1), np.nan).astype(np.float64)
+
+        flips, prompt = per_row(counts.flips, counts.routed_rows), per_row(counts.prompt_flips, counts.prompt_rows)
+        margins_known = self.cfg.model.num_experts > self.cfg.model.moe_topk
+        margin = per_row(counts.margin_sum, counts.routed_rows) if margins_known else np.full(num_layers, np.nan)
+        small = per_row(counts.small_margins, counts.routed_rows) if margins_known else np.full(num_layers, np.nan)
+        max_vio = np.asarray([M.max_vio(load) for load in counts.expert_load])
         mismatches = int(counts.replay_mismatches.sum())
         matched = (mismatches == 0 and bool((counts.replay_rows > 0).all())) if replay else None
-        return LogprobResult(logprobs, flips.astype(np.float64), matched, mismatches, own,
-                             prompt.astype(np.float64))
+        return LogprobResult(logprobs, flips, matched, mismatches, own, prompt, margin, small, max_vio)
 
     def record_routes(self, samples: Sequence[Sample]) -> list[np.ndarray]:
         """The trainer's own routing (Megatron's RECORD), shaped like the engine's: ``[T-1, L, K]`` per sample in the

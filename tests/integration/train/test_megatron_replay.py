@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_helpers import build_samples, random_routes, with_routes
+from r3rl import metrics as M
 from r3rl.train.routes import RouteError
 
 
@@ -101,6 +102,24 @@ def test_flip_rate_counts_response_rows_once_and_prompt_rows_apart(policy):
     expected_prompt = np.zeros(policy.cfg.model.num_layers)
     expected_prompt[2] = len(samples) / prompt_rows
     assert np.allclose(live.flip_per_layer_prompt, expected_prompt)
+
+
+def test_router_margins_and_expert_load_come_from_the_routers_own_choice_on_response_rows(policy):
+    """6 samples in micro batches of 4 (padding repeats in the second), with rollout routes that are not the
+    router's choice. Per layer, the MaxVio of the pass equals the one of the router's own recorded top-k over the
+    response rows (P-1 .. T-2 of each real sample); margins are positive, the small-margin share a share. Fails if
+    the load counts prompt rows, the padding slots' repeats, or the rollout's routes instead of the router's own."""
+    m = policy.cfg.model
+    samples = build_samples(6, 3)
+    own = policy.record_routes(samples)
+    with_routes(samples, random_routes(samples, m.num_layers, m.moe_topk, m.num_experts, 3))
+    live = policy.logprobs(samples, replay=False)
+    for layer in range(m.num_layers):
+        load = sum(np.bincount(r[len(s.prompt_ids) - 1:, layer].ravel().astype(np.int64), minlength=m.num_experts)
+                   for s, r in zip(samples, own))
+        assert live.load_max_vio_per_layer[layer] == pytest.approx(M.max_vio(load)), layer
+    assert (live.margin_per_layer > 0).all()
+    assert ((live.small_margin_per_layer >= 0) & (live.small_margin_per_layer <= 1)).all()
 
 
 def test_bad_routes_fail_naming_sample_and_layer(policy):
