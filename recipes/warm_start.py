@@ -50,7 +50,8 @@ def fingerprint(cfg: R3RLConfig) -> dict:
 
     return {"version": WARM_START_VERSION, "solution_version": SOLUTION_VERSION, "model": keep(cfg.model),
             "data": {k: v for k, v in keep(sft.data).items() if k != "path"}, "warm_start": keep(cfg.warm_start),
-            "trainer": {k: v for k, v in keep(sft.trainer).items() if not isinstance(v, dict)},
+            # transformer_overrides too: a load-balancing loss or another router setting shapes the weights
+            "trainer": {k: dict(v) if isinstance(v, dict) else v for k, v in keep(sft.trainer).items()},
             "parallelism": cfg.parallelism.name, "seed": cfg.run.seed}
 
 
