@@ -41,13 +41,20 @@ POINTS = (
     ("12 layers", ("model.num_layers=12",)),
     ("16 layers", ("model.num_layers=16",)),
     ("4 layers, 64 experts top-8", ("model.num_layers=4", "model.num_experts=64", "model.moe_topk=8")),
-    ("4 layers, top-1", ("model.num_layers=4", "model.moe_topk=1")),
+    # Megatron takes top-1 only with the softmax before the top-k (its weight the chosen expert's probability)
+    ("4 layers, top-1", ("model.num_layers=4", "model.moe_topk=1", "model.norm_topk_prob=false")),
     ("4 layers, expert FFN 256", ("model.num_layers=4", "model.moe_ffn_hidden_size=256")),
     ("4 layers, norm_topk_prob=false", ("model.num_layers=4", "model.norm_topk_prob=false")),
     ("4 layers, engine float32", ("model.num_layers=4", "rollout.engine.dtype=float32")),
     ("4 layers, load-balancing loss 0.01", ("model.num_layers=4",
                                             "+trainer.transformer_overrides.moe_router_load_balancing_type=aux_loss",
                                             "+trainer.transformer_overrides.moe_aux_loss_coeff=0.01")),
+    ("8 layers, load-balancing loss 0.01", ("model.num_layers=8",
+                                            "+trainer.transformer_overrides.moe_router_load_balancing_type=aux_loss",
+                                            "+trainer.transformer_overrides.moe_aux_loss_coeff=0.01")),
+    ("16 layers, load-balancing loss 0.01", ("model.num_layers=16",
+                                             "+trainer.transformer_overrides.moe_router_load_balancing_type=aux_loss",
+                                             "+trainer.transformer_overrides.moe_aux_loss_coeff=0.01")),
 )
 BEGIN = "<!-- routing_regime:begin (written by bench/routing_regime.py --write-readme; do not edit) -->"
 END = "<!-- routing_regime:end -->"

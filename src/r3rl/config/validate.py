@@ -75,6 +75,10 @@ def validate(cfg: R3RLConfig) -> None:
     check(m.num_experts >= 1, "model.num_experts", f"must be >= 1, got {m.num_experts}")
     check(1 <= m.moe_topk <= m.num_experts, "model.moe_topk",
           f"must be in [1, model.num_experts={m.num_experts}], got {m.moe_topk}")
+    # renormalised over one expert its weight is always 1; Megatron's router refuses that (it wants the softmax
+    # before the top-k) and would fail in the trainer process, after the engines started
+    check(not (m.moe_topk == 1 and m.norm_topk_prob), "model.norm_topk_prob",
+          "must be false with model.moe_topk=1 (Megatron-core routes top-1 only with the softmax before the top-k)")
     check(m.num_attention_heads % max(m.num_query_groups, 1) == 0, "model.num_query_groups",
           f"must divide model.num_attention_heads={m.num_attention_heads}, got {m.num_query_groups}")
 

@@ -197,8 +197,9 @@ def ensure_sft_data(data_cfg: DataConfig) -> Path:
 def generate_heldout(num: int, seed: int, exclude: Iterable[str],
                      space: ProblemSpace = ProblemSpace()) -> list[dict[str, str]]:
     """``num`` distinct problems of ``space`` (the training prompts' space, its ``heldout`` split when the training
-    data draws from a split), none of which is a prompt of ``exclude`` by normalised problem
-    (``r3rl.data.overlap.problem_key``: ``b + a`` is excluded with ``a + b``).
+    data draws from a split), none of which is a prompt of ``exclude``, both by normalised problem
+    (``r3rl.data.overlap.problem_key``: ``b + a`` is excluded with ``a + b``, and only one of the two is drawn, so
+    the set's prompts are as many independent units as there are prompts).
 
     Drawing from the same distribution keeps the held-out split comparable; excluding by problem (not by seed)
     holds whatever file the training prompts came from.
@@ -206,20 +207,21 @@ def generate_heldout(num: int, seed: int, exclude: Iterable[str],
     if num <= 0:
         raise ValueError(f"num_generated_prompts={num}: must be positive to generate prompts")
     training = problem_keys(exclude)
-    # distinct by text among themselves, as before: a + b and b + a are two held-out prompts, neither trained on
     taken: set[str] = set()
-    available = sum(len(v) for v in problems_of(space).values())
+    available = len({problem_key(PROMPT_TEMPLATE.format(a=a, op=op, b=b))
+                     for op, pairs in problems_of(space).items() for a, b in pairs})
     rng = random.Random(seed)
     out: list[dict[str, str]] = []
     for _ in range(1000 * num):
         problem = draw_problem(rng, space)
-        if problem["prompt"] not in taken and problem_key(problem["prompt"]) not in training:
-            taken.add(problem["prompt"])
+        key = problem_key(problem["prompt"])
+        if key not in taken and key not in training:
+            taken.add(key)
             out.append(problem)
             if len(out) == num:
                 return out
     raise ValueError(f"could draw only {len(out)} of {num} arithmetic problems outside the training prompts "
-                     f"(split {space.split!r} holds {available})")
+                     f"(split {space.split!r} holds {available} problems, a + b and b + a counted once)")
 
 
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike, *, prompt_key: str = "prompt",

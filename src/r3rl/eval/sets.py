@@ -118,7 +118,7 @@ def _heldout_fingerprint(s: EvalSetConfig, data: DataConfig, training: Collectio
     # the training problems themselves, not only their config: a training file of one's own that changes (or a
     # warm start that starts) makes the held-out split be drawn again
     digest = hashlib.sha256("\n".join(sorted(problem_keys(training))).encode()).hexdigest()[:16]
-    return {"generator": "arithmetic_heldout", "num": s.num_generated_prompts, "seed": s.seed,
+    return {"generator": "arithmetic_heldout", "distinct": "problem", "num": s.num_generated_prompts, "seed": s.seed,
             "keys": [s.prompt_key, s.label_key], "space": dataclasses.asdict(_heldout_space(data)), "splits": SPLITS,
             "training": prompts_fingerprint(data), "training_problems": digest}
 

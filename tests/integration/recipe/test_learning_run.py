@@ -17,9 +17,9 @@ from .conftest import REPO, assert_nothing_left, wandb_runs
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # The default CPU recipe (its warm start, cached like make run's), shortened to 12 GRPO steps with an eval point
-# before and after them on 64 held-out prompts x 8 samples (the held-out split: no warm-start or GRPO problem; its
-# 64 prompts are ~34 problems, 'a + b' and 'b + a' being one). A 200-step warm start left too little to build on:
-# 0.074 -> 0.062 in 8 steps. Eval requests and rollouts are seeded, so the run is the same run every time.
+# before and after them on 128 held-out problems x 8 samples (the held-out split: no warm-start or GRPO problem, each
+# problem once, 'a + b' and 'b + a' being one). A 200-step warm start left too little to build on: 0.074 -> 0.062 in
+# 8 steps. Eval requests and rollouts are seeded, so the run is the same run every time.
 SHORT = ("run.num_steps=12", "run.eval_every=12", "eval.sets.arithmetic.n_samples_per_prompt=8")
 
 
@@ -28,8 +28,9 @@ def test_a_short_learning_run_raises_the_held_out_score(tmp_path):
     per-prompt change, clustered by problem (``r3rl.eval.records.paired_gain``); the warm start, exported and
     loaded into vLLM, answers some held-out problems right before any GRPO step. Fails when training does not
     train: a sign error in the policy loss, advantages that never reach the loss, an optimizer that does not step,
-    or engines that keep serving the old weights after a sync; and if the eval's errors counted each ordering of a
-    problem as independent evidence (the records would lack their problem keys)."""
+    or engines that keep serving the old weights after a sync; and if the generated set held both orderings of a
+    problem again (fewer problems than prompts), or its records lacked their problem keys (``paired_gain`` refuses
+    them)."""
     run_dir = tmp_path / "learn"
     cmd = [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}",
            f"rollout.engine.base_port={free_port()}", *SHORT]
@@ -42,7 +43,7 @@ def test_a_short_learning_run_raises_the_held_out_score(tmp_path):
     # the same prompts at both points: the mean per-prompt change, clustered by problem (the recipe's records)
     gain, se, problems = paired_gain(run_dir / "eval", "arithmetic", 0, 12)
     assert math.isclose(gain, last - first, abs_tol=1e-9)
-    assert problems < len(json.loads((run_dir / "eval" / "arithmetic-step000000.json").read_text())["problems"])
+    assert problems == len(json.loads((run_dir / "eval" / "arithmetic-step000000.json").read_text())["problems"])
     assert first > 0, "the exported warm start answers no held-out problem in vLLM"
     assert gain >= 2 * se, f"held-out avg@8 {first:.3f} -> {last:.3f} (se of the change {se:.3f}, {problems} problems)"
     assert "SFT warm start" in out.stdout

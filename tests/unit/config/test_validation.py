@@ -54,6 +54,7 @@ GPU = "parallelism=disaggregated_4p4"
         (["model=qwen3_30b", "parallelism=cpu"], "parallelism"),
         ([GPU, "parallelism.rollout.num_engines=1", "rollout.engine.url=localhost:8000"], "rollout.engine.url"),
         (["model.moe_topk=9"], "model.moe_topk"),
+        (["model.moe_topk=1"], "model.norm_topk_prob"),
         (["rollout.engine.enable_prefix_caching=false"], "rollout.engine.enable_prefix_caching"),
         (["rollout.sampling.top_p=0.9"], "rollout.sampling.top_p"),
         ([GPU, "parallelism.trainer.expert_tensor_parallel=2"], "parallelism.trainer.expert_parallel"),

@@ -77,10 +77,10 @@ def test_splits_partition_the_space_and_keep_twins_together():
 def test_generated_sets_stay_in_their_split():
     """GRPO's prompts (rl), the warm start's (sft) and the held-out eval (heldout) never share a problem, whatever
     their seeds. Fails if generation ignored the split (every draw would come from the whole space)."""
-    rl = generate_problems(300, 1, ProblemSpace("+", 19, "rl"))
-    sft = generate_problems(300, 2, ProblemSpace("+", 19, "sft"))
-    held = generate_heldout(40, 3, [p["prompt"] for p in rl], ProblemSpace("+", 19, "heldout"))
-    assert len({p["prompt"] for p in held}) == 40
+    rl = generate_problems(300, 1, ProblemSpace("+", 29, "rl"))
+    sft = generate_problems(300, 2, ProblemSpace("+", 29, "sft"))
+    held = generate_heldout(40, 3, [p["prompt"] for p in rl], ProblemSpace("+", 29, "heldout"))
+    assert len({canonical(p["prompt"]) for p in held}) == 40
     sets = [{canonical(p["prompt"]) for p in group} for group in (rl, sft, held)]
     assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
     assert {split_of(a, op, b) for op, a, b in sets[2]} == {"heldout"}

@@ -41,14 +41,15 @@ def test_a_chat_is_keyed_by_its_user_turns():
     assert problem_keys([chat]) == {problem_key(ask(2, "+", 7))}
 
 
-def test_heldout_draw_excludes_the_twin_of_a_training_prompt():
-    """The training prompts hold every problem of a small space but 1 + 2, and only one order of each: the draw can
-    give 1 + 2 and 2 + 1 and nothing else. Fails if the exclusion went back to exact prompt text (the b + a twins of
-    the training prompts would be drawn)."""
+def test_heldout_draw_excludes_the_twin_of_a_training_prompt_and_draws_each_problem_once():
+    """The training prompts hold every problem of a small space but 1 + 2 and 0 + 3, and only one order of each: the
+    draw can give one ordering of each of those two problems and nothing else. Fails if the exclusion went back to
+    exact prompt text (the b + a twins of the training prompts would be drawn), or if the draw were distinct by text
+    again (1 + 2 and 2 + 1 would be two held-out prompts of one problem, counted as independent)."""
     space = ProblemSpace("+", 3, "all")
-    training = [ask(a, "+", b) for a in range(4) for b in range(a, 4) if (a, b) != (1, 2)]
+    training = [ask(a, "+", b) for a in range(4) for b in range(a, 4) if (a, b) not in ((1, 2), (0, 3))]
     held = generate_heldout(2, seed=0, exclude=training, space=space)
-    assert {p["prompt"] for p in held} == {ask(1, "+", 2), ask(2, "+", 1)}
+    assert {problem_key(p["prompt"]) for p in held} == {problem_key(ask(1, "+", 2)), problem_key(ask(0, "+", 3))}
     with pytest.raises(ValueError, match="could draw only 2 of 3"):
         generate_heldout(3, seed=0, exclude=training, space=space)
 
