@@ -56,6 +56,10 @@ POINTS = (
                                              "+trainer.transformer_overrides.moe_router_load_balancing_type=aux_loss",
                                              "+trainer.transformer_overrides.moe_aux_loss_coeff=0.01")),
 )
+# every point's GRPO steps: 8 prompts x 8 samples, one optimizer step each, no eval (the mismatch of a batch is what
+# is measured, not learning)
+SWEEP = ("algorithm.rollout_batch_size=8", "algorithm.n_samples_per_prompt=8", "algorithm.global_batch_size=64",
+         "run.eval_every=0", "run.resume=false")
 BEGIN = "<!-- routing_regime:begin (written by bench/routing_regime.py --write-readme; do not edit) -->"
 END = "<!-- routing_regime:end -->"
 
@@ -69,8 +73,7 @@ def run_point(out: Path, name: str, overrides: tuple[str, ...], steps: int, extr
     if reuse and (folder / "wandb").is_dir():
         print(f"== {name}: reusing {folder}", flush=True)
         return folder
-    cmd = [sys.executable, "run.py", f"run.output_dir={folder}", f"run.num_steps={steps}", "run.eval_every=0",
-           "run.resume=false", *overrides, *extra]
+    cmd = [sys.executable, "run.py", f"run.output_dir={folder}", f"run.num_steps={steps}", *SWEEP, *overrides, *extra]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
     return folder

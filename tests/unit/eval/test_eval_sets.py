@@ -90,23 +90,30 @@ def test_eval_sets_are_frozen():
 
 
 def test_loaded_sets_name_each_prompts_problem(tmp_path, tiny_model_dir):
-    """The default held-out set restates problems ('a + b' and 'b + a' are two prompts): each prompt carries its
-    normalised problem, the two orderings share one, and there are fewer problems than prompts. Fails if
-    ``EvalSet.problems`` is left empty or keyed by the templated text (every prompt its own problem), which would
-    make every eval error count a problem twice."""
+    """Each prompt of a loaded set carries its normalised problem. The generated held-out set draws each problem
+    once (as many problems as prompts, each label the problem's sum); a set file of one's own that restates a problem
+    ('123 + 456' and '456 + 123') gives both prompts one problem. Fails if ``EvalSet.problems`` is left empty or
+    keyed by the templated text (every prompt its own problem, so every eval error would count a restated problem
+    twice), or if the generated draw went back to distinct texts (both orderings of a problem held out)."""
+    import json
+
     from transformers import AutoTokenizer
 
     from r3rl.eval.sets import load_sets
 
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = compose(["parallelism=cpu", f"run.data_dir={tmp_path}"])
     ensure_prompts(cfg.data)
-    (s,) = load_sets(cfg, AutoTokenizer.from_pretrained(tiny_model_dir))
-    assert len(s.problems) == len(s.prompts)
-    assert all(p.startswith("arithmetic: ") for p in s.problems)
-    assert len(set(s.problems)) < len(s.prompts)
-    by_problem = {}
+    (s,) = load_sets(cfg, tok)
+    assert len(s.problems) == len(s.prompts) == len(set(s.problems))
     for prompt, problem in zip(s.prompts, s.problems):
         a, _, b = problem.removeprefix("arithmetic: ").split()
         assert int(prompt.label) == int(a) + int(b)
-        by_problem.setdefault(problem, set()).add(prompt.line)
-    assert any(len(lines) == 2 for lines in by_problem.values())
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)}) + "\n"
+                           for a, b in ((123, 456), (456, 123), (300, 1))))
+    cfg = compose(["parallelism=cpu", f"run.data_dir={tmp_path}", f"eval.sets.arithmetic.path={own}",
+                   "eval.sets.arithmetic.generate_if_missing=false"])
+    (s,) = load_sets(cfg, tok)
+    assert len(s.prompts) == 3
+    assert s.problems[0] == s.problems[1] != s.problems[2]
