@@ -26,7 +26,7 @@ GPU = "parallelism=disaggregated_4p4"
         (["parallelism=colocated", "parallelism.rollout.num_gpus=4", "parallelism.rollout.num_engines=1"],
          "parallelism.rollout.num_gpus"),
         (["trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
-        (["model.num_experts=1", "model.moe_topk=1", "parallelism=cpu"], "rollout"),
+        (["model.num_experts=1", "model.moe_topk=1", "model.norm_topk_prob=false", "parallelism=cpu"], "rollout"),
         (["algorithm.global_batch_size=5"], "algorithm.global_batch_size"),
         (["algorithm.max_staleness=-1"], "algorithm.max_staleness"),
         (["model=qwen3_30b", "parallelism=colocated", "algorithm.max_staleness=1", "correction=tis"],
