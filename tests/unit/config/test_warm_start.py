@@ -22,12 +22,13 @@ def test_the_warm_start_trains_the_sft_share_of_the_same_task():
 
 def test_the_cache_key_follows_what_shapes_the_weights_only():
     """A new warm-start setting or model makes a new warm start; a GRPO-only setting (its lr, its steps) reuses the
-    cached one. Fails if the key missed the warm start's settings (a stale model would be reused) or held GRPO's
-    (every GRPO tweak would redo five minutes of SFT)."""
+    cached one. Fails if the key missed the warm start's settings (a stale model would be reused), among them the
+    trainer's transformer_overrides (a load-balancing loss shapes the router), or held GRPO's (every GRPO tweak would
+    redo the SFT)."""
     base = warm_start.fingerprint(compose(["parallelism=cpu"]))
     assert warm_start.fingerprint(compose(["parallelism=cpu", "trainer.lr=1e-3", "run.num_steps=3"])) == base
-    for override in ("warm_start.num_steps=10", "warm_start.verbose_share=0.2", "data.max_operand=25",
-                     "model.init_seed=3"):
+    for override in ("warm_start.num_steps=10", "warm_start.verbose_share=0.2", "data.max_operand=60",
+                     "model.init_seed=3", "+trainer.transformer_overrides.moe_aux_loss_coeff=0.01"):
         assert warm_start.fingerprint(compose(["parallelism=cpu", override])) != base, override
 
 
