@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="GRPO steps per point")
     parser.add_argument("--points", default=None, help="point names separated by ';' (default: all)")
     parser.add_argument("--write-readme", action="store_true", help="replace the README block")
-    parser.add_argument("--reuse", action="store_true", help="read a point's finished run in --out instead of rerunning")
+    parser.add_argument("--reuse", action="store_true", help="read the finished run of a point in --out, not rerun it")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every point")
     args = parser.parse_args()
     chosen = dict(POINTS)

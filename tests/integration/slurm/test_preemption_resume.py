@@ -41,8 +41,10 @@ def _wait_for(predicate, what: str, launch, job: str, timeout: float):
 
 def test_preempted_job_leaves_a_checkpoint_that_the_next_job_resumes_from(slurm, launch):
     out = launch.root / "run"
-    # the random model (no SFT warm start), partial credit so the steps train: this test is about preemption
+    # the random model (no SFT warm start), partial credit so the steps train, small steps (4 prompts x 4): this
+    # test is about preemption
     overrides = ("parallelism=cpu", "warm_start.enabled=false", "data.partial_credit=0.1", f"run.output_dir={out}",
+                 "algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4", "algorithm.global_batch_size=16",
                  "run.num_steps=1000", "run.save_every=1", "run.eval_every=0", "run.resume=true",
                  "logger.wandb.mode=offline",
                  f"rollout.engine.base_port={launch.env['R3RL_TEST_ENGINE_PORT']}")
