@@ -9,7 +9,7 @@ no eval, one after the other on this machine. Per point it prints, from the run'
 
 - the flip rate (``r3/routing_flip_rate``: routed-expert choices the trainer would change, replay off);
 - the mean over steps of ``train/logprob_abs_diff`` with replay and of the unreplayed pass on the same batch, and
-  the mean of their per-step ratio (the issue's "ratio");
+  the mean of their per-step ratio with its standard error over the steps;
 - what replay removes per sample (the paired delta, standard error clustered by prompt) and its z;
 - the router margin (mean k-th minus (k+1)-th router logit, share under ``r3rl.metrics.SMALL_ROUTER_MARGIN``) and
   the expert load imbalance (MaxVio), which explain a flip rate;
@@ -85,7 +85,11 @@ def figures(history: list[dict]) -> dict[str, float]:
             M.ROUTER_MARGIN_SMALL_SHARE, M.EXPERT_LOAD_MAX_VIO, M.PERF_STEP_TIME)
     stats = summarize(history, keys=keys)
     row = {key: stats[key]["mean"] if key in stats else math.nan for key in keys}
-    row[REPLAY_RATIO] = stats[REPLAY_RATIO]["mean"] if REPLAY_RATIO in stats else math.nan
+    # the ratio's error over steps (each step an independent batch of prompts)
+    ratios = [r[M.LOGPROB_ABS_DIFF] / r[M.LOGPROB_ABS_DIFF_NO_REPLAY] for r in history
+              if r.get(M.LOGPROB_ABS_DIFF_NO_REPLAY) and M.LOGPROB_ABS_DIFF in r]
+    row[REPLAY_RATIO], row["ratio_se"] = (M.mean_and_stderr(ratios, range(len(ratios))) if len(ratios) > 1
+                                          else (math.nan, math.nan))
     removed = replay_removes(history)
     row["removes"], row["removes_se"], row["steps"] = removed if removed else (math.nan, math.nan, len(history))
     return row
@@ -99,7 +103,8 @@ def table(rows: dict[str, dict[str, float]], points: dict[str, tuple[str, ...]],
         f"`python bench/routing_regime.py --steps {steps}{''.join(' ' + o for o in extra)}` (each point: the SFT "
         "warm start of its shape, then that many GRPO steps of the default recipe, 8 prompts x 8 samples, bf16 "
         "engine vs fp32 trainer unless named; means over the steps; \"removes\": the paired delta, standard error "
-        "clustered by prompt; step time as a ratio to the first row's, measured in the same sweep):",
+        "clustered by prompt; ratio: mean over steps of replayed / unreplayed, ± its standard error over the "
+        "steps; step time as a ratio to the first row's, measured in the same sweep):",
         "",
         "| point | overrides | flip rate | mismatch, replayed | unreplayed | ratio | replay removes (z) "
         "| router margin | margin < 0.05 | MaxVio | step time |",
@@ -111,7 +116,7 @@ def table(rows: dict[str, dict[str, float]], points: dict[str, tuple[str, ...]],
                    if r["removes_se"] > 0 else "none to remove")
         lines.append(
             f"| {name} | `{' '.join(points[name])}` | {r[M.ROUTING_FLIP_RATE]:.2%} | {r[M.LOGPROB_ABS_DIFF]:.3g} "
-            f"| {r[M.LOGPROB_ABS_DIFF_NO_REPLAY]:.3g} | {r[REPLAY_RATIO]:.2f} | {removes} "
+            f"| {r[M.LOGPROB_ABS_DIFF_NO_REPLAY]:.3g} | {r[REPLAY_RATIO]:.2f} ± {r['ratio_se']:.2f} | {removes} "
             f"| {r[M.ROUTER_MARGIN_MEAN]:.3f} | {r[M.ROUTER_MARGIN_SMALL_SHARE]:.1%} "
             f"| {r[M.EXPERT_LOAD_MAX_VIO]:.2f} | {r[M.PERF_STEP_TIME] / base:.2f}x |")
     lines.append(END)
