@@ -235,6 +235,15 @@ class GRPORecipe(common.Recipe):
 
         self.ahead = (step, prompts, self.producer.submit(generate), data_state)
 
+    def sync_weights(self, version: int) -> None:
+        """The engines take the trainer's weights, never while a batch generated ahead is in flight: its samples
+        would carry tokens of two weight versions under one version label (``collect`` and ``before_eval`` wait for
+        it first)."""
+        if self.ahead is not None and not self.ahead[2].done():
+            raise RuntimeError(f"weight sync to version {version} while the batch of step {self.ahead[0]} is still "
+                               "generating: wait for it first")
+        super().sync_weights(version)
+
     def data_state(self) -> dict:
         """The data sampler's state for a checkpoint: from before the prompts of a batch generated ahead."""
         return self.ahead[3] if self.ahead is not None else self.dataset.state_dict()
