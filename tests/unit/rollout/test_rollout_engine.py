@@ -35,13 +35,15 @@ def test_r3_engine_argv_has_what_routed_experts_need(compose_cfg):
 
 
 def test_batch_limits_reach_vllm_only_when_set(compose_cfg):
-    """rollout.engine.max_num_seqs / max_num_batched_tokens become vLLM's flags (the CPU scale sets 256 and 8192: an
-    eval wave of 256 samples in one engine step, its prefill unchunked); null leaves vLLM's device default, so a GPU
-    layout keeps vLLM's tuned values. Fails if a key were dropped from the argv or a null one passed as "None"."""
-    (cpu,) = build_plan(compose_cfg("model=tiny_moe", "parallelism=cpu")).engines
+    """rollout.engine.max_num_seqs / max_num_batched_tokens become vLLM's flags (the CPU scale sets both, so an eval
+    wave runs in one engine step with its prefill unchunked); null leaves vLLM's device default, so a GPU layout keeps
+    vLLM's tuned values. Fails if a key were dropped from the argv or a null one passed as "None"."""
+    cfg = compose_cfg("model=tiny_moe", "parallelism=cpu")
+    (cpu,) = build_plan(cfg).engines
     argv = list(cpu.argv)
-    assert argv[argv.index("--max-num-seqs") + 1] == "256"
-    assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192"
+    assert cfg.rollout.engine.max_num_seqs is not None and cfg.rollout.engine.max_num_batched_tokens is not None
+    assert argv[argv.index("--max-num-seqs") + 1] == str(cfg.rollout.engine.max_num_seqs)
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == str(cfg.rollout.engine.max_num_batched_tokens)
     for engine in build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_4p4")).engines:
         assert "--max-num-seqs" not in engine.argv and "--max-num-batched-tokens" not in engine.argv
     with pytest.raises(ValueError, match="rollout.engine.max_num_seqs"):
