@@ -164,6 +164,34 @@ class RolloutClient:
             bar.close()
             await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
 
+    # -- one request of a multi-turn episode (r3rl.env.episodes drives the turns) ---------------------------------
+    def sessions(self) -> dict[str, aiohttp.ClientSession]:
+        """One HTTP session per engine for the requests of a batch of episodes; the caller closes them."""
+        self._ensure_loop_state()
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=30.0)
+        return {u: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+                for u in self.urls}
+
+    async def turn(self, sessions: dict[str, aiohttp.ClientSession], url: str, context: Sequence[int],
+                   sampling: SamplingConfig, *, seed: int, index: int, group: int, request_id: str,
+                   max_tokens: int, routes_from: int = 0, stop_token_ids: Sequence[int] | None = None) -> Sample:
+        """One turn of sample ``index``: ``context`` (every token so far, as ids) in, one validated ``Sample`` out,
+        whose routes are the rows from ``routes_from`` on (``None`` when the engine aborted it before any token).
+        Waits while the engines are paused; an aborted turn comes back with status ``ABORTED``."""
+        assert self._running is not None
+        while True:
+            await self._running.wait()
+            body = request_body(request_id, context, sampling, seed, stop_token_ids, max_tokens,
+                                routes_from=routes_from)
+            if self._running.is_set():
+                break
+        raw = await self._post(sessions[url], url, body, f"sample {index}", request_id)
+        parse = functools.partial(samples_from_body, raw, url=url, first_index=index, count=1, group=group,
+                                  request_id=request_id, prompt=context,
+                                  routes=self.spec if self.routing_replay else None, routes_from=routes_from)
+        (sample,) = await asyncio.to_thread(parse) if len(raw) > _PARSE_INLINE_BYTES else parse()
+        return sample
+
     def generate_sync(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
                       **kwargs) -> list[Sample]:
         """``generate`` from synchronous code (runs its own event loop)."""

@@ -110,11 +110,12 @@ def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
 
 
 def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_index: int | None = None,
-                 request_id: str | None = None) -> np.ndarray:
-    """Validate a decoded ``[rows, L, K]`` array against a sample of ``num_tokens`` tokens; returns it narrow.
+                 request_id: str | None = None, first_row: int = 0) -> np.ndarray:
+    """Validate a decoded ``[rows, L, K]`` array against a sample of ``num_tokens`` tokens whose rows from
+    ``first_row`` on were asked for; returns it narrow.
 
-    Checks, in the order that gives the most telling message first: integer dtype, 3 dims, rows == T-1, (L, K),
-    no MoE layer all zero (K > 1), ids < E, K distinct ids per row.
+    Checks, in the order that gives the most telling message first: integer dtype, 3 dims, rows == T-1-first_row,
+    (L, K), no MoE layer all zero (K > 1), ids < E, K distinct ids per row.
     """
 
     def fail(what: str, expected: object = None, got: object = None, hint: str | None = None) -> RoutedExpertsError:
@@ -125,10 +126,12 @@ def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_in
     if arr.ndim != 3:
         raise fail("have the wrong number of dimensions", "3 (tokens-1, layers, top-k)", f"{arr.ndim} {arr.shape}")
     rows, layers, topk = arr.shape
-    expected_rows = num_tokens - 1
+    expected_rows = num_tokens - 1 - first_row
     if rows != expected_rows:
         # a surplus row is refused too: at the front it would shift every row by one token and still fit
-        raise fail("cover the wrong number of tokens", f"{expected_rows} rows (len(tokens) - 1 = {num_tokens} - 1)",
+        counted = f"len(tokens) - 1 = {num_tokens} - 1" if not first_row else \
+            f"len(tokens) - 1 - routed_experts_prompt_start = {num_tokens} - 1 - {first_row}"
+        raise fail("cover the wrong number of tokens", f"{expected_rows} rows ({counted})",
                    f"{rows} rows", hint="engine/client token bookkeeping disagree")
     if (layers, topk) != (spec.num_layers, spec.topk):
         raise fail("have the wrong (layers, top-k)", (spec.num_layers, spec.topk), (layers, topk),
@@ -167,16 +170,18 @@ def _raise_out_of_range(arr: np.ndarray, spec: RouteSpec, fail) -> None:
 
 
 def decode_routed_experts(payload: object, num_tokens: int, spec: RouteSpec, *, sample_index: int | None = None,
-                          request_id: str | None = None) -> np.ndarray:
-    """Wire payload -> validated narrow ``[num_tokens - 1, L, K]`` array (see ``check_routes``)."""
+                          request_id: str | None = None, first_row: int = 0) -> np.ndarray:
+    """Wire payload -> validated narrow ``[num_tokens - 1 - first_row, L, K]`` array (see ``check_routes``)."""
     arr = b64_to_npy_array(payload, sample_index=sample_index, request_id=request_id)
-    return check_routes(arr, num_tokens, spec, sample_index=sample_index, request_id=request_id)
+    return check_routes(arr, num_tokens, spec, sample_index=sample_index, request_id=request_id, first_row=first_row)
 
 
 def routes_for_sample(payload: object, *, aborted: bool, prompt_len: int, response_len: int, spec: RouteSpec,
-                      sample_index: int | None = None, request_id: str | None = None) -> np.ndarray | None:
+                      sample_index: int | None = None, request_id: str | None = None,
+                      first_row: int = 0) -> np.ndarray | None:
     """The per-sample rule, with status already taken from ``finish_reason``: ``None`` is legal only for an
-    aborted request that produced no token (the engine never forwarded it)."""
+    aborted request that produced no token (the engine never forwarded it). ``first_row``: the request asked for the
+    rows from that one on (``routed_experts_prompt_start``)."""
     if payload is None:
         if aborted and response_len == 0:
             return None
@@ -185,7 +190,7 @@ def routes_for_sample(payload: object, *, aborted: bool, prompt_len: int, respon
             hint=("engine launched without --enable-return-routed-experts?" if not aborted else
                   f"aborted after {response_len} tokens, which must carry routes"))
     return decode_routed_experts(payload, prompt_len + response_len, spec, sample_index=sample_index,
-                                 request_id=request_id)
+                                 request_id=request_id, first_row=first_row)
 
 
 def encode_routed_experts(arr: np.ndarray) -> str:

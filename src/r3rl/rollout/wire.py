@@ -35,9 +35,11 @@ def sample_seed(base_seed: int, step: int, index: int) -> int:
 
 def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfig, seed: int,
                  stop_token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
-                 n: int = 1) -> dict[str, Any]:
+                 n: int = 1, routes_from: int = 0) -> dict[str, Any]:
     """One request for ``n`` samples of ``prompt``; vLLM seeds its ``j``-th sample with ``seed + j`` (its parallel
-    sampling), so the samples are those of ``n`` one-sample requests seeded ``seed .. seed + n - 1``."""
+    sampling), so the samples are those of ``n`` one-sample requests seeded ``seed .. seed + n - 1``.
+    ``routes_from``: the first route row the engine returns (vLLM's ``routed_experts_prompt_start``; a multi-turn
+    episode's later turns hold the rows before it already)."""
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -52,6 +54,8 @@ def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfi
         params["n"] = n
     if stop_token_ids:
         params["stop_token_ids"] = [int(t) for t in stop_token_ids]
+    if routes_from:
+        params["routed_experts_prompt_start"] = int(routes_from)
     return {"request_id": request_id, "token_ids": [int(t) for t in prompt], "sampling_params": params}
 
 
@@ -143,9 +147,11 @@ def parse_response(body: dict[str, Any], *, url: str, index: int, request_id: st
 
 
 def parse_choices(body: dict[str, Any], *, url: str, first_index: int, count: int, group: int, request_id: str,
-                  prompt: Sequence[int], routes: RouteSpec | None, label: str | None = None) -> list[Sample]:
+                  prompt: Sequence[int], routes: RouteSpec | None, label: str | None = None,
+                  routes_from: int = 0) -> list[Sample]:
     """A response to a request for ``count`` samples -> one ``Sample`` per choice: choice ``j`` is sample
-    ``first_index + j`` (routes decoded and validated when ``routes``)."""
+    ``first_index + j`` (routes decoded and validated when ``routes``; with ``routes_from``, the rows from that one
+    on only)."""
     choices = body.get("choices")
     got = len(choices) if isinstance(choices, list) else None
     indices = [c.get("index") if isinstance(c, dict) else None for c in choices] if got == count else None
@@ -156,11 +162,12 @@ def parse_choices(body: dict[str, Any], *, url: str, first_index: int, count: in
                           url=url)
     by_index = sorted(choices, key=lambda c: c["index"])
     return [_sample_from_choice(c, url=url, index=first_index + j, group=group, request_id=request_id, prompt=prompt,
-                                routes=routes, label=label) for j, c in enumerate(by_index)]
+                                routes=routes, label=label, routes_from=routes_from) for j, c in enumerate(by_index)]
 
 
 def _sample_from_choice(choice: dict[str, Any], *, url: str, index: int, group: int, request_id: str,
-                        prompt: Sequence[int], routes: RouteSpec | None, label: str | None) -> Sample:
+                        prompt: Sequence[int], routes: RouteSpec | None, label: str | None,
+                        routes_from: int = 0) -> Sample:
     def bad(what: str) -> EngineError:
         return EngineError(f"engine {url}: sample {index} (request {request_id}): {what}", url=url)
 
@@ -177,7 +184,7 @@ def _sample_from_choice(choice: dict[str, Any], *, url: str, index: int, group: 
     if routes is not None:
         routed = routes_for_sample(choice.get("routed_experts"), aborted=status is SampleStatus.ABORTED,
                                    prompt_len=len(prompt), response_len=len(response_ids), spec=routes,
-                                   sample_index=index, request_id=request_id)
+                                   sample_index=index, request_id=request_id, first_row=routes_from)
     # an aborted sample is kept only to be dropped or regenerated: nothing of it is trainable
     mask_value = 0.0 if status is SampleStatus.ABORTED else 1.0
     spans = choice.get("weight_versions")
