@@ -5,6 +5,7 @@ import that crosses one fails here rather than in a review.
   produces HF buckets (``r3rl.train.export``), it never talks to an engine.
 - ``r3rl.rollout`` is about generation and imports nothing of the sync or the trainer.
 - ``r3rl.config`` is validated before any plan exists and imports neither ``r3rl.plan`` nor anything above it.
+- ``r3rl.env`` drives episodes over the rollout client and knows neither the trainer nor the weight sync.
 - ``r3rl.sync``'s engine side (what vLLM's worker imports) pulls in neither the trainer nor the rollout client.
 """
 
@@ -42,6 +43,7 @@ def crossings(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
     ("train", ("r3rl.rollout", "r3rl.sync", "r3rl.orchestration")),
     ("rollout", ("r3rl.sync", "r3rl.train", "r3rl.orchestration")),
     ("config", ("r3rl.plan", "r3rl.placement", "r3rl.rollout", "r3rl.sync", "r3rl.train", "r3rl.orchestration")),
+    ("env", ("r3rl.sync", "r3rl.train", "r3rl.orchestration")),
 ])
 def test_package_does_not_import_across_its_boundary(package, forbidden):
     """Fails if e.g. ``r3rl.config.validate`` goes back to ``from r3rl.plan import resolve_dtype``, or a module in

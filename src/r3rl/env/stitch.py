@@ -1,0 +1,142 @@
+"""One ``Sample`` from the turns of an episode, and the rule that says where each route row comes from.
+
+An episode's tokens are ``prompt + r1 + o1 + r2 + o2 + ... + rN``: the policy's turns ``r`` and the observations
+``o`` between them. Turn ``t`` sends every token before it as its context and generates ``r_t``. Route row ``i`` is
+the experts token ``i`` was sent to in the forward that computed its KV, which every later token attended to; the
+last token of a sequence is sampled, never forwarded, so an episode of ``T`` tokens has ``T - 1`` rows.
+
+The rule (``route_start``): turn ``t`` asks the engine for the rows from the number it holds already,
+``H = len(context_{t-1}) + len(r_{t-1}) - 1``: one row before the new prompt part.
+Row ``H`` is ``r_{t-1}``'s last token: sampled at turn ``t-1``'s last decode step and forwarded for the first time
+in turn ``t``'s prefill, so turn ``t`` is the only source of its row. Rows before ``H`` are never asked again: they
+stay as the turn that produced them returned them. For the rows turn ``t`` does return, vLLM's route store decides:
+a KV block that was full and prefix-cached comes back with the routes of the forward that computed it (an earlier
+turn's), rows recomputed in this prefill (the observation, and the partially filled last block of the context) with
+this forward's. Every weight update resets the prefix cache, and an episode's turns run under one weight version.
+
+The deliberate fault ``shift_turn_rows`` (the row boundary one off for every turn after the first) exists so that a
+test and ``bench/multiturn_r3.py`` can show the per-turn measurement catches a wrong rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from r3rl.sample import Sample, SampleStatus
+
+
+class StitchError(ValueError):
+    """Turns whose token or route bookkeeping does not add up; names the sample and the turn."""
+
+
+def route_start(held_rows: int) -> int:
+    """The first route row a turn asks for, given the rows the episode holds already (0 for the first turn)."""
+    return held_rows
+
+
+@dataclass
+class TurnRecord:
+    """What one turn produced: ``context_len`` tokens went in (the prompt and everything before), the engine's
+    ``sample`` came out (its routes start at row ``routes_from``), then ``observation_ids`` were appended (empty
+    after the last turn)."""
+
+    context_len: int
+    routes_from: int
+    sample: Sample
+    observation_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    observation_tokens: int
+    context_truncated: bool
+    route_rows_received: int  # rows the engine sent with prefix omission (routes_from)
+    route_rows_full: int  # rows it would have sent had every turn asked for the whole context
+    # why a turn failed twice (aborted, or tokens without all their routes): the episode stops at its last complete
+    # turn and trains on nothing ("": complete)
+    masked: str = ""
+
+
+def stitch_routes(turns: Sequence[TurnRecord], *, index: int) -> np.ndarray | None:
+    """The episode's ``[T - 1, L, K]`` routes: each turn's returned rows appended where its ``routes_from`` says;
+    ``StitchError`` (naming the sample and the turn) when a turn's rows do not start where the held ones end or the
+    total is not ``T - 1``. ``None`` when the engine returned no routes (routing replay off)."""
+    if all(t.sample.routed_experts is None for t in turns):
+        return None
+    held = 0
+    parts = []
+    for n, t in enumerate(turns, 1):
+        rows = t.sample.routed_experts
+        if rows is None:
+            raise StitchError(f"sample {index}, turn {n} (request {t.sample.request_id}): no routes for "
+                              f"{t.sample.response_length} tokens; the episode cannot be replayed")
+        if t.routes_from != held:
+            raise StitchError(f"sample {index}, turn {n} (request {t.sample.request_id}): routes start at row "
+                              f"{t.routes_from}, but the episode holds {held} rows")
+        parts.append(rows)
+        held += len(rows)
+        expected = t.context_len + t.sample.response_length - 1
+        if held != expected:
+            raise StitchError(f"sample {index}, turn {n} (request {t.sample.request_id}): {held} route rows after "
+                              f"the turn, expected {expected} (context {t.context_len} + response "
+                              f"{t.sample.response_length} - 1)")
+    return np.concatenate(parts, axis=0)
+
+
+def shift_turn_rows(routes: np.ndarray, turn_of_token: np.ndarray, prompt_len: int) -> np.ndarray:
+    """A deliberately wrong stitching, for measurement only: the rows the second and later turns returned sit one
+    row late (each takes the route of the row before it), as a client that put turn 2's slice after the first turn's
+    last token instead of on it would have them. Turn 1's rows are untouched."""
+    out = routes.copy()
+    if (turn_of_token >= 2).any():
+        first = prompt_len + int((turn_of_token == 1).sum()) - 1  # the first row turn 2 returned
+        out[first + 1:] = routes[first:-1]
+    return out
+
+
+def episode_sample(turns: Sequence[TurnRecord], *, index: int, group: int, label: str | None,
+                   reward: float | None, stats: EpisodeStats) -> Sample:
+    """The episode as one ``Sample``: the first turn's context is the prompt; the response is every policy turn and
+    observation after it, observations with loss mask 0 and rollout log-prob 0 (never read: every metric and the
+    correction go through the mask). ``extra`` keeps per token the turn (1-based; 0 on observation tokens) and the
+    weight version (-1 on observations), the text ids of the last policy turn (what the reward grades), and the
+    episode's counters."""
+    if not turns:
+        raise StitchError(f"sample {index}: an episode with no turn")
+    first = turns[0]
+    prompt = first.sample.prompt_ids
+    ids, lps, mask, turn_of, versions = [], [], [], [], []
+    for n, t in enumerate(turns, 1):
+        s = t.sample
+        if len(prompt) + sum(len(x) for x in ids) != t.context_len:
+            raise StitchError(f"sample {index}, turn {n} (request {s.request_id}): context of {t.context_len} "
+                              f"tokens, but the episode had {len(prompt) + sum(len(x) for x in ids)}")
+        trainable = 0.0 if stats.masked else 1.0
+        ids += [s.response_ids, t.observation_ids]
+        lps += [s.rollout_logprobs, np.zeros(len(t.observation_ids), np.float32)]
+        mask += [np.full(s.response_length, trainable, np.float32), np.zeros(len(t.observation_ids), np.float32)]
+        turn_of += [np.full(s.response_length, n, np.int16), np.zeros(len(t.observation_ids), np.int16)]
+        versions += [np.full(s.response_length, -1 if s.weight_version is None else s.weight_version, np.int32),
+                     np.full(len(t.observation_ids), -1, np.int32)]
+    last = turns[-1].sample
+    known = [t.sample.weight_version for t in turns if t.sample.weight_version is not None]
+    status = last.status
+    if stats.context_truncated and status is SampleStatus.COMPLETED:
+        status = SampleStatus.TRUNCATED
+    if stats.masked:
+        status = SampleStatus.ABORTED
+    return Sample(
+        index=index, group=group, request_id=last.request_id, prompt_ids=prompt,
+        response_ids=np.concatenate(ids).astype(np.int32), rollout_logprobs=np.concatenate(lps).astype(np.float32),
+        loss_mask=np.concatenate(mask), finish_reason=last.finish_reason, status=status,
+        routed_experts=stitch_routes(turns, index=index), label=label, reward=reward,
+        weight_version=min(known) if known else None,
+        extra={"turn_of_token": np.concatenate(turn_of), "token_versions": np.concatenate(versions),
+               "answer_ids": last.response_ids, "episode": stats, "engine": last.extra.get("engine")},
+    )

@@ -1,0 +1,44 @@
+"""The calculator environment: exact arithmetic through ``ast``, refusals as error observations, and the turn rule
+(a tool call continues the episode, an answer or plain text ends it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from r3rl.env.calculator import CalcError, CalculatorEnv, evaluate
+
+
+@pytest.mark.parametrize("expr, value", [
+    ("4821 + 3967", "8788"), ("12 * (3 - 5)", "-24"), ("7 / 2", "3.5"), ("1 / 3", "1/3"), ("-(2)", "-2"),
+    ("17 // 5", "3"), ("17 % 5", "2"), ("0.1 + 0.2", "0.3"), (" 99999999 * 99999999 ", "9999999800000001"),
+])
+def test_evaluates_exactly(expr, value):
+    """Fails if the evaluator went through floats (0.1 + 0.2 would read 0.30000000000000004) or lost a sign."""
+    assert evaluate(expr) == value
+
+
+@pytest.mark.parametrize("expr, why", [
+    ("__import__('os').system('true')", "unsupported Call"), ("2 ** 10", "unsupported BinOp"), ("x + 1", "Name"),
+    ("1 / 0", "division by zero"), ("1 +", "cannot parse"), ("", "empty"), ("9" * 30 + " * " + "9" * 30, "digits"),
+    ("1" * 300, "longer than"),
+])
+def test_refuses_what_it_must_not_evaluate(expr, why):
+    """Fails if a name, call or power reached evaluation (``eval`` would run the import), or if huge results were
+    built."""
+    with pytest.raises(CalcError, match=why):
+        evaluate(expr)
+
+
+def test_turns_continue_on_a_call_and_end_on_an_answer():
+    """Fails if a boxed answer were taken as another tool call, or a bad expression ended the episode instead of
+    coming back as an error observation."""
+    episode = CalculatorEnv().start("What is 4821 + 3967?", "8788")
+    call = episode.step("<calc>4821 + 3967</calc>")
+    assert call.observation == "<result>8788</result>" and call.tool_call and not call.tool_error and not call.done
+    bad = episode.step("<calc>4821 +</calc>")
+    assert bad.observation.startswith("<result>error: cannot parse") and bad.tool_error and not bad.done
+    last = episode.step("<calc>1+1</calc> <calc>2 * 3</calc>")
+    assert last.observation == "<result>6</result>"  # the last call of a turn is the one answered
+    assert episode.step("so \\boxed{8788}").done
+    plain = episode.step("8788")
+    assert plain.done and plain.observation is None and plain.reward is None  # the run's grader decides

@@ -1,0 +1,119 @@
+"""The stitching rule on routes whose values say which row they are: an episode's turns, each returning the rows
+from ``route_start(held)`` on, stitch back into exactly the ``T - 1`` rows of the whole episode, every row on its
+token; observations carry loss mask 0 and no log-prob; bookkeeping that does not add up names the sample and turn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3rl.env.stitch import EpisodeStats, StitchError, TurnRecord, episode_sample, route_start, shift_turn_rows
+from r3rl.metrics import episode_metrics, per_turn_mismatch
+from r3rl.sample import Sample, SampleStatus
+
+L, K = 3, 2
+
+
+def truth(rows: int) -> np.ndarray:
+    """Row r routes to experts (r % 200, 200 + r % 50) in layer 0 and shifted ids after: every row distinct."""
+    r = np.arange(rows)[:, None]
+    return np.stack([np.concatenate([(r + l) % 200, 200 + (r + l) % 50], axis=1) for l in range(L)],
+                    axis=1).astype(np.uint8)
+
+
+def episode(prompt_len=5, responses=(4, 3, 6), observations=(2, 5), version=3):
+    """The turns of an episode whose token i is 1000 + i, each turn's routes sliced from ``truth`` by the rule."""
+    total = prompt_len + sum(responses) + sum(observations)
+    tokens = np.arange(1000, 1000 + total, dtype=np.int32)
+    routes = truth(total - 1)
+    turns, held, context = [], 0, prompt_len
+    for n, r in enumerate(responses):
+        start = route_start(held)
+        end = context + r - 1  # rows of the context and response, the last token never forwarded
+        s = Sample(index=7, group=2, request_id=f"req-t{n + 1}", prompt_ids=tokens[:context],
+                   response_ids=tokens[context:context + r], rollout_logprobs=np.full(r, -0.5 - n, np.float32),
+                   loss_mask=np.ones(r, np.float32), finish_reason="stop", status=SampleStatus.COMPLETED,
+                   routed_experts=routes[start:end], weight_version=version)
+        o = observations[n] if n < len(observations) else 0
+        turns.append(TurnRecord(context_len=context, routes_from=start, sample=s,
+                                observation_ids=tokens[context + r:context + r + o]))
+        held, context = end, context + r + o
+    return turns, tokens, routes
+
+
+def stats(turns=3, masked=""):
+    return EpisodeStats(turns=turns, tool_calls=2, tool_errors=1, observation_tokens=7, context_truncated=False,
+                        route_rows_received=10, route_rows_full=30, masked=masked)
+
+
+def test_turns_stitch_into_every_row_of_the_episode_on_its_token():
+    """Fails if a turn's slice started at len(context) instead of len(context) - 1 (the previous turn's last token
+    would lose its row: verifiers #2616) or rows were appended in the wrong place."""
+    turns, tokens, routes = episode()
+    s = episode_sample(turns, index=7, group=2, label="9", reward=None, stats=stats())
+    np.testing.assert_array_equal(s.tokens, tokens)
+    np.testing.assert_array_equal(s.routed_experts, routes)
+    assert s.routed_experts.shape[0] == s.num_tokens - 1
+    # each turn after the first asked for one row before its new prompt part: the previous turn's last token
+    assert [t.routes_from for t in turns] == [0, 5 + 4 - 1, 5 + 4 + 2 + 3 - 1]
+
+
+def test_observations_are_in_the_response_with_mask_zero_and_turns_marked():
+    """Fails if observation tokens were trainable (loss mask 1), carried a log-prob, or were counted as a turn's."""
+    turns, _, _ = episode()
+    s = episode_sample(turns, index=7, group=2, label="9", reward=None, stats=stats())
+    want_turn = np.array([1] * 4 + [0] * 2 + [2] * 3 + [0] * 5 + [3] * 6)
+    np.testing.assert_array_equal(s.extra["turn_of_token"], want_turn)
+    np.testing.assert_array_equal(s.loss_mask, (want_turn > 0).astype(np.float32))
+    assert np.all(s.rollout_logprobs[want_turn == 0] == 0.0)
+    np.testing.assert_array_equal(s.extra["token_versions"], np.where(want_turn > 0, 3, -1))
+    np.testing.assert_array_equal(s.extra["answer_ids"], turns[-1].sample.response_ids)
+    assert s.weight_version == 3 and s.status is SampleStatus.COMPLETED
+
+
+def test_bookkeeping_that_does_not_add_up_names_sample_and_turn():
+    """Fails if a turn whose routes start elsewhere than the held rows, or a context that skips tokens, were
+    stitched silently (every later row would sit on the wrong token)."""
+    turns, _, _ = episode()
+    turns[1].routes_from += 1
+    with pytest.raises(StitchError, match=r"sample 7, turn 2 \(request req-t2\): routes start at row 9, but the "
+                                          r"episode holds 8 rows"):
+        episode_sample(turns, index=7, group=2, label=None, reward=None, stats=stats())
+    turns, _, _ = episode()
+    turns[2].context_len += 1
+    with pytest.raises(StitchError, match="sample 7, turn 3"):
+        episode_sample(turns, index=7, group=2, label=None, reward=None, stats=stats())
+
+
+def test_a_masked_episode_trains_on_nothing():
+    """Fails if an episode whose turn failed twice kept a trainable token."""
+    turns, _, _ = episode(responses=(4, 3), observations=(2,))
+    s = episode_sample(turns, index=7, group=2, label=None, reward=None, stats=stats(2, masked="aborted"))
+    assert s.status is SampleStatus.ABORTED and not s.loss_mask.any()
+
+
+def test_the_wrong_rule_moves_only_later_turns_rows_by_one():
+    """The deliberate fault the bench and the integration test measure: fails if it touched turn 1's rows (the
+    measurement would then blame turn 1) or did not move every later row."""
+    turns, _, routes = episode()
+    s = episode_sample(turns, index=7, group=2, label=None, reward=None, stats=stats())
+    wrong = shift_turn_rows(s.routed_experts, s.extra["turn_of_token"], len(s.prompt_ids))
+    first = 5 + 4 - 1
+    np.testing.assert_array_equal(wrong[:first + 1], routes[:first + 1])
+    np.testing.assert_array_equal(wrong[first + 1:], routes[first:-1])
+
+
+def test_per_turn_mismatch_and_episode_counters():
+    """Fails if observation tokens entered a turn's mismatch, or a turn's figure mixed in another turn's tokens."""
+    turns, _, _ = episode()
+    s = episode_sample(turns, index=7, group=2, label=None, reward=None, stats=stats())
+    trainer = s.rollout_logprobs + np.where(s.extra["turn_of_token"] == 2, 0.3, 0.1).astype(np.float32)
+    trainer[s.extra["turn_of_token"] == 0] = 50.0  # an observation's value must never count
+    got = per_turn_mismatch([trainer], [s.rollout_logprobs], [s.loss_mask], [s.extra["turn_of_token"]])
+    assert got.keys() == {"train/logprob_abs_diff/turn_1", "train/logprob_abs_diff/turn_2",
+                          "train/logprob_abs_diff/turn_3"}
+    assert got["train/logprob_abs_diff/turn_2"] == pytest.approx(0.3, abs=1e-6)
+    assert got["train/logprob_abs_diff/turn_1"] == pytest.approx(0.1, abs=1e-6)
+    m = episode_metrics([stats(3), stats(1)], route_row_bytes=6)
+    assert m["rollout/turns_mean"] == 2.0 and m["rollout/tool_errors"] == 2.0
+    assert m["rollout/route_bytes_per_episode"] == 60.0 and m["rollout/route_bytes_per_episode_full"] == 180.0
