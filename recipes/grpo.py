@@ -27,6 +27,9 @@ from r3rl.config.schema import R3RLConfig
 from r3rl.data.arithmetic import ensure_prompts
 from r3rl.data.dataset import PromptDataset
 from r3rl.data.reward import grade
+from r3rl.env import build_environment, multi_turn
+from r3rl.env.episodes import EpisodePrompt, EpisodeRunner, EpisodeSettings
+from r3rl.env.stitch import shift_turn_rows
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import EngineError
 from r3rl.rollout.store import save_rollout
@@ -53,6 +56,9 @@ class GRPORecipe(common.Recipe):
         self.producer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3rl-rollout-ahead") \
             if self.max_staleness else None
         self.ahead: tuple[int, list, Future, dict] | None = None
+        # env with episodes (r3rl.env): the environment, built in setup, and its episode loop over the client
+        self.environment = None
+        self.episodes: EpisodeRunner | None = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -61,10 +67,19 @@ class GRPORecipe(common.Recipe):
         resume_from, meta = self.prepare()
         ensure_prompts(self.cfg.data)
         self.dataset = PromptDataset(self.cfg.data, self.tokenizer)
+        # built before any process starts: an environment that cannot be built ends the run here
+        self.environment = build_environment(self.cfg.env) if multi_turn(self.cfg.env) else None
         self.start(resume_from, meta)
 
     def engines_started(self) -> None:
         self.client = RolloutClient.from_config(self.cfg, self.engines.urls)
+        if self.environment is not None:
+            env = self.cfg.env
+            budget = env.max_context_tokens or self.cfg.rollout.engine.max_model_len
+            self.episodes = EpisodeRunner(
+                self.client, self.environment, self.tokenizer,
+                EpisodeSettings(env.max_turns, budget, env.tool_timeout_s, env.observation_template),
+                stop_token_ids=[self.tokenizer.eos_token_id])
         if self.plan.attach_url:
             # launched engines were checked at start; an attached one is checked against this config here
             self.client.check_engines_sync()
@@ -111,6 +126,9 @@ class GRPORecipe(common.Recipe):
         samples, rollout_stats = self.rollout(step, prompts) if self.producer is None else self.collect(step, timings)
         rewards = [s.reward for s in samples]
         timings["rollout"] = time.perf_counter() - t - timings.get("weight_sync", 0.0)
+        if cfg.debug.wrong_stitching and self.episodes is not None:  # the bench's deliberate fault
+            samples = [dataclasses.replace(s, routed_experts=shift_turn_rows(
+                s.routed_experts, s.extra["turn_of_token"], len(s.prompt_ids))) for s in samples]
         if cfg.debug.save_rollout:
             save_rollout(samples, Path(cfg.debug.save_rollout) / f"step_{step:06d}.npz")
         batch = ray.put(samples)
@@ -184,6 +202,13 @@ class GRPORecipe(common.Recipe):
                 values.pop(key, None)
         values.update(corrected.metrics)
         values.update(rollout_stats)
+        if self.episodes is not None:  # the mismatch of each turn's tokens, with and without replay, same batch
+            turns = [s.extra["turn_of_token"] for s in samples]
+            rollout_lps, masks = [s.rollout_logprobs for s in samples], [s.loss_mask for s in samples]
+            values.update(M.per_turn_mismatch(replayed.logprobs, rollout_lps, masks, turns))
+            if unreplayed is not None:
+                values.update(M.per_turn_mismatch(unreplayed.logprobs, rollout_lps, masks, turns,
+                                                  M.LOGPROB_ABS_DIFF_NO_REPLAY_TURN))
         if self.producer is not None:  # the engine mismatch alone, on the samples the trainer's weights generated
             fresh = [i for i, s in enumerate(samples) if (s.weight_version or 0) == step - 1]
             if fresh:
@@ -277,8 +302,10 @@ class GRPORecipe(common.Recipe):
             samples = generated if r == 0 and generated is not None else \
                 self.generate(step, prompts if r == 0 else next(self.batches), round_=r)
             for s in samples:
-                text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-                s.reward = grade(cfg.reward, text, s.label, cfg.data.partial_credit)
+                if s.reward is None:  # an environment's own reward stands; else the run's grader, on the answer
+                    # (an episode's last policy turn: observations and tool calls are not the answer)
+                    text = self.tokenizer.decode(s.extra.get("answer_ids", s.response_ids), skip_special_tokens=True)
+                    s.reward = grade(cfg.reward, text, s.label, cfg.data.partial_credit)
                 s.extra["correct"] = float(s.reward >= 1.0)
             return samples
 
@@ -295,6 +322,11 @@ class GRPORecipe(common.Recipe):
                               f"(algorithm.max_generation_rounds); they train with zero advantage[/]")
         else:
             samples = one_round(0)
+        if self.episodes is not None:
+            spec = self.client.spec
+            samples, episode_stats = mask_failed_episodes(
+                samples, spec.num_layers * spec.topk * spec.dtype.itemsize if self.client.routing_replay else 0)
+            stats.update(episode_stats)
         if alg.overlong_buffer:
             penalty = dapo.overlong_penalty([s.response_length for s in samples], cfg.rollout.sampling.max_tokens,
                                             alg.overlong_buffer, alg.overlong_penalty_factor)
@@ -310,6 +342,9 @@ class GRPORecipe(common.Recipe):
         sampling = cfg.rollout.sampling
         if round_:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + round_ * 1_000_003)
+        if self.episodes is not None:  # multi-turn: an episode per sample, one Sample each
+            return asyncio.run(self.episodes.run([EpisodePrompt(p.prompt_ids, p.text, p.label) for p in prompts],
+                                                 cfg.algorithm.n_samples_per_prompt, sampling, step=step))
         samples = asyncio.run(self.client.generate(
             [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, sampling,
             step=step, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in prompts],
@@ -319,6 +354,16 @@ class GRPORecipe(common.Recipe):
             # an aborted sample has no complete response: training on it would be silently off-policy
             raise EngineError(f"step {step}: samples {aborted} were aborted by the engine; nothing was trained")
         return samples
+
+
+def mask_failed_episodes(samples: list[Sample], route_row_bytes: int = 0) -> tuple[list[Sample], dict[str, float]]:
+    """Episodes with a turn that failed twice (aborted, or tokens without all their routes: ``r3rl.env.episodes``)
+    train on nothing, and neither does the rest of their group (its advantages would be centred on a mean that
+    counts them), as ``staleness.drop_stale`` takes groups out; the episodes' counters for the step."""
+    failed = {s.group for s in samples if s.extra["episode"].masked}
+    kept = [dataclasses.replace(s, loss_mask=np.zeros_like(s.loss_mask)) if s.group in failed else s for s in samples]
+    return kept, {**M.episode_metrics([s.extra["episode"] for s in samples], route_row_bytes),
+                  M.EPISODES_MASKED: float(sum(s.group in failed for s in samples))}
 
 
 def wait_quietly(future: Future) -> None:

@@ -16,7 +16,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from r3rl.config.schema import R3RLConfig, freeze
+from r3rl.config.schema import EnvConfig, R3RLConfig, freeze
 from r3rl.data.arithmetic import SOLUTION_VERSION
 from r3rl.models.tiny_moe import ensure_checkpoint
 from recipes.common import console
@@ -34,7 +34,7 @@ def sft_config(cfg: R3RLConfig) -> R3RLConfig:
         verbose_share=ws.verbose_share,
         path=str(Path(cfg.run.data_dir) / "sft" / f"arithmetic-warm-s{cfg.data.seed}-n{ws.num_examples}.jsonl"))
     return dataclasses.replace(
-        cfg, recipe=dataclasses.replace(cfg.recipe, name="sft", run_name_suffix="-sft"), data=data,
+        cfg, recipe=dataclasses.replace(cfg.recipe, name="sft", run_name_suffix="-sft"), data=data, env=EnvConfig(),
         run=dataclasses.replace(cfg.run, num_steps=ws.num_steps, eval_every=0, save_every=ws.num_steps),
         # a constant rate: the cosine's tail teaches the tiny model too little arithmetic in a short warm start
         trainer=dataclasses.replace(cfg.trainer, lr=ws.lr, min_lr=ws.lr),

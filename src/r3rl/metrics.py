@@ -160,6 +160,22 @@ DROPPED_STALE = "rollout/dropped_stale"
 # (absent from a step that has none)
 LOGPROB_ABS_DIFF_FRESH = "train/logprob_abs_diff_fresh"
 REWARD_STDERR = "rollout/reward_stderr"
+# multi-turn episodes (env=calculator, r3rl.env): means over the step's episodes of policy turns, tool calls and
+# observation tokens; counts of tool errors (an error observation: a bad expression, a step that raised or hung),
+# episodes cut by env.max_context_tokens, and episodes masked with their groups (a turn that failed twice)
+TURNS_MEAN = "rollout/turns_mean"
+TOOL_CALLS_MEAN = "rollout/tool_calls_mean"
+TOOL_ERRORS = "rollout/tool_errors"
+OBSERVATION_TOKENS_MEAN = "rollout/observation_tokens_mean"
+CONTEXT_TRUNCATED = "rollout/context_truncated"
+EPISODES_MASKED = "rollout/episodes_masked"
+# route bytes received per episode, asking each turn only for the rows it lacks (routed_experts_prompt_start), and
+# what asking for the whole context every turn would have sent
+ROUTE_BYTES_PER_EPISODE = "rollout/route_bytes_per_episode"
+ROUTE_BYTES_PER_EPISODE_FULL = "rollout/route_bytes_per_episode_full"
+# train/logprob_abs_diff (and its unreplayed twin) over the policy tokens of turn t only (observations never count)
+LOGPROB_ABS_DIFF_TURN = "train/logprob_abs_diff/turn_{turn}"
+LOGPROB_ABS_DIFF_NO_REPLAY_TURN = "train/logprob_abs_diff_no_replay/turn_{turn}"
 RESPONSE_LENGTH_MEAN = "rollout/response_length_mean"
 RESPONSE_LENGTH_MIN = "rollout/response_length_min"
 RESPONSE_LENGTH_MAX = "rollout/response_length_max"
@@ -233,6 +249,38 @@ def logprob_abs_diff(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: Arra
     """
     per_sample = logprob_abs_diff_per_sample(trainer_lps, rollout_lps, masks)
     return float(per_sample.mean()) if per_sample.size else float("nan")
+
+
+def episode_metrics(episodes: Sequence, route_row_bytes: int = 0) -> dict[str, float]:
+    """The ``rollout/`` counters of a step's episodes (``r3rl.env.stitch.EpisodeStats``); route bytes when
+    ``route_row_bytes`` (bytes of one route row: layers x top-k x id size) is given."""
+    if not episodes:
+        return {}
+    out = {TURNS_MEAN: float(np.mean([e.turns for e in episodes])),
+           TOOL_CALLS_MEAN: float(np.mean([e.tool_calls for e in episodes])),
+           TOOL_ERRORS: float(sum(e.tool_errors for e in episodes)),
+           OBSERVATION_TOKENS_MEAN: float(np.mean([e.observation_tokens for e in episodes])),
+           CONTEXT_TRUNCATED: float(sum(e.context_truncated for e in episodes))}
+    if route_row_bytes:
+        out[ROUTE_BYTES_PER_EPISODE] = float(np.mean([e.route_rows_received for e in episodes])) * route_row_bytes
+        out[ROUTE_BYTES_PER_EPISODE_FULL] = float(np.mean([e.route_rows_full for e in episodes])) * route_row_bytes
+    return out
+
+
+def per_turn_mismatch(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows,
+                      turn_of_token: ArrayRows, key: str = LOGPROB_ABS_DIFF_TURN) -> dict[str, float]:
+    """``logprob_abs_diff`` restricted to each turn's policy tokens (``turn_of_token``: 1-based per response token,
+    0 on observations), one key per turn that has a valid token; samples without a token of that turn are left out,
+    as ``logprob_abs_diff`` leaves out samples without a valid token."""
+    turns = [np.asarray(t) for t in turn_of_token]
+    top = max((int(t.max()) for t in turns if t.size), default=0)
+    out = {}
+    for n in range(1, top + 1):
+        value = logprob_abs_diff(trainer_lps, rollout_lps,
+                                 [np.asarray(m, np.float64) * (t == n) for m, t in zip(masks, turns)])
+        if np.isfinite(value):
+            out[key.format(turn=n)] = value
+    return out
 
 
 def stderr(values: Sequence[float] | np.ndarray) -> float:

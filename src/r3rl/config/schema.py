@@ -216,6 +216,20 @@ class ReplayConfig(Frozen):
 
 
 @dataclass
+class EnvConfig(Frozen):
+    name: str = "single_turn"
+    # the Environment to build (Hydra: _target_ and its arguments); None: one request per sample, no episodes
+    environment: Optional[dict[str, Any]] = None
+    max_turns: int = 1
+    # most tokens of an episode, prompt included (None: rollout.engine.max_model_len)
+    max_context_tokens: Optional[int] = None
+    tool_timeout_s: float = 10.0
+    observation_template: str = "{observation}"
+    # run.name's suffix for this environment
+    run_name_suffix: str = ""
+
+
+@dataclass
 class CorrectionConfig(Frozen):
     name: str = "none"
     run_name_suffix: str = ""
@@ -308,6 +322,7 @@ class RayConfig(Frozen):
 @dataclass
 class DebugConfig(Frozen):
     save_rollout: Optional[str] = None
+    wrong_stitching: bool = False
 
 
 @dataclass
@@ -332,6 +347,8 @@ class R3RLConfig(Frozen):
     trainer: TrainerConfig = MISSING
     algorithm: GRPOConfig = MISSING
     replay: ReplayConfig = MISSING
+    # a group like reward: configs composed without it stay single-turn
+    env: EnvConfig = field(default_factory=EnvConfig)
     correction: CorrectionConfig = MISSING
     data: DataConfig = MISSING
     eval: EvalConfig = MISSING
@@ -356,6 +373,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "data": DataConfig,
     "eval": EvalConfig,
     "reward": RewardConfig,
+    "env": EnvConfig,
     "logger": LoggerConfig,
     "recipe": RecipeConfig,
 }

@@ -247,6 +247,28 @@ def validate(cfg: R3RLConfig) -> None:
     check(ro.engine.max_model_len <= m.max_position_embeddings, "rollout.engine.max_model_len",
           f"{ro.engine.max_model_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
 
+    # episodes
+    env = cfg.env
+    episodes = env.environment is not None
+    check(env.max_turns >= 1, "env.max_turns", f"must be >= 1, got {env.max_turns}")
+    check(episodes or env.max_turns == 1, "env.max_turns",
+          f"is {env.max_turns}, but env.environment is null (single turn): set env=calculator or an environment")
+    check(not episodes or "_target_" in env.environment, "env.environment",
+          f"needs a _target_ (the Environment class to build), got keys {sorted(env.environment or {})}")
+    check(env.tool_timeout_s > 0, "env.tool_timeout_s", f"must be > 0, got {env.tool_timeout_s}")
+    check("{observation}" in env.observation_template, "env.observation_template",
+          f"must hold {{observation}}, got {env.observation_template!r}")
+    budget = ro.engine.max_model_len if env.max_context_tokens is None else env.max_context_tokens
+    check(env.max_context_tokens is None or env.max_context_tokens <= ro.engine.max_model_len,
+          "env.max_context_tokens", f"{env.max_context_tokens} exceeds rollout.engine.max_model_len="
+          f"{ro.engine.max_model_len} (a turn's context would not fit the engine)")
+    check(not episodes or budget >= need, "env.max_context_tokens",
+          f"{budget} leaves no room for a first turn: data.max_prompt_length + rollout.sampling.max_tokens = {need}")
+    check(not cfg.debug.wrong_stitching or (episodes and ro.routing_replay), "debug.wrong_stitching",
+          "moves episodes' route rows: it needs an env with episodes and rollout=vllm_r3")
+    check(not episodes or cfg.recipe.name == "grpo", "env",
+          f"episodes run in the grpo recipe; recipe={cfg.recipe.name} takes env=single_turn")
+
     # trainer
     check(tr.params_dtype in DTYPES, "trainer.params_dtype", f"must be one of {DTYPES}, got {tr.params_dtype!r}")
     check(tr.moe_token_dispatcher_type in DISPATCHERS, "trainer.moe_token_dispatcher_type",

@@ -35,6 +35,10 @@ PANELS: tuple[Panel, ...] = (
           y_label="mean |log-prob diff| (band: ±1 stderr)"),
     Panel("Routing flip rate per layer (max_staleness >= 1: mixed with policy lag)", M.STEP_AXES["r3"],
           keys=(M.ROUTING_FLIP_RATE,), pattern=r"r3/routing_flip_rate/layer_\d+", y_label="share of tokens"),
+    # multi-turn episodes (env=calculator, reflect): replay must shrink turn 2's mismatch as much as turn 1's
+    Panel("Log-prob |trainer - rollout| per turn of multi-turn episodes: with vs without R3 replay",
+          M.STEP_AXES["train"], pattern=r"train/logprob_abs_diff(_no_replay)?/turn_\d+",
+          y_label="mean |log-prob diff| over the turn's policy tokens"),
     Panel("Token mult prob error (NeMo-RL)", M.STEP_AXES["train"], keys=(M.TOKEN_MULT_PROB_ERROR,),
           y_label="mean exp(|log-prob diff|)"),
     Panel("Rollout correction: IS weights pi_old / pi_rollout", M.STEP_AXES["rollout_corr"],

@@ -57,7 +57,9 @@ def yaml_keys(node, prefix: str = "") -> set[str]:
     for k, v in node.items():
         if k == "defaults":
             continue
-        if isinstance(v, dict) and v and not prefix.endswith(("extra_env.", "transformer_overrides.")):
+        # env.environment holds the arguments of a user's class (its _target_): free-form, like extra_env
+        if isinstance(v, dict) and v and k != "environment" and \
+                not prefix.endswith(("extra_env.", "transformer_overrides.")):
             # named entries are compared with their schema under one wildcard name
             keys |= yaml_keys(v, f"{prefix}*." if prefix.endswith("sets.") else f"{prefix}{k}.")
         else:
