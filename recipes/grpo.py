@@ -74,12 +74,8 @@ class GRPORecipe(common.Recipe):
     def engines_started(self) -> None:
         self.client = RolloutClient.from_config(self.cfg, self.engines.urls)
         if self.environment is not None:
-            env = self.cfg.env
-            budget = env.max_context_tokens or self.cfg.rollout.engine.max_model_len
-            self.episodes = EpisodeRunner(
-                self.client, self.environment, self.tokenizer,
-                EpisodeSettings(env.max_turns, budget, env.tool_timeout_s, env.observation_template),
-                stop_token_ids=[self.tokenizer.eos_token_id])
+            self.episodes = EpisodeRunner(self.client, self.environment, self.tokenizer, EpisodeSettings.of(self.cfg),
+                                          stop_token_ids=[self.tokenizer.eos_token_id])
         if self.plan.attach_url:
             # launched engines were checked at start; an attached one is checked against this config here
             self.client.check_engines_sync()

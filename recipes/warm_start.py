@@ -31,7 +31,7 @@ def sft_config(cfg: R3RLConfig) -> R3RLConfig:
     ws = cfg.warm_start
     data = dataclasses.replace(
         cfg.data, name="arithmetic_sft", split="sft", num_generated_prompts=ws.num_examples,
-        verbose_share=ws.verbose_share,
+        verbose_share=ws.verbose_share, tool_share=ws.tool_share,
         path=str(Path(cfg.run.data_dir) / "sft" / f"arithmetic-warm-s{cfg.data.seed}-n{ws.num_examples}.jsonl"))
     return dataclasses.replace(
         cfg, recipe=dataclasses.replace(cfg.recipe, name="sft", run_name_suffix="-sft"), data=data, env=EnvConfig(),

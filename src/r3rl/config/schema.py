@@ -206,6 +206,7 @@ class WarmStartConfig(Frozen):
     lr: float = 2e-3
     num_examples: int = 4096
     verbose_share: float = 0.0
+    tool_share: float = 0.0
 
 
 @dataclass
@@ -225,6 +226,8 @@ class EnvConfig(Frozen):
     max_context_tokens: Optional[int] = None
     tool_timeout_s: float = 10.0
     observation_template: str = "{observation}"
+    # response tokens per policy turn (None: rollout.sampling.max_tokens)
+    max_tokens_per_turn: Optional[int] = None
     # run.name's suffix for this environment
     run_name_suffix: str = ""
 
@@ -264,6 +267,10 @@ class DataConfig(Frozen):
     split: str = "all"
     # generated SFT solutions only: share written in the wordy style (r3rl.data.arithmetic.VERBOSE_TEMPLATE)
     verbose_share: float = 0.0
+    # generated arithmetic only: smallest operand
+    min_operand: int = 0
+    # generated SFT solutions only: share written as calculator episodes (r3rl.data.arithmetic.worked_tool_episode)
+    tool_share: float = 0.0
 
 
 @dataclass

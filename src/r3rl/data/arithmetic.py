@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from r3rl.config.modes import SPLIT_NAMES
 from r3rl.config.schema import DataConfig
 from r3rl.data.overlap import problem_key, problem_keys
 
@@ -39,22 +40,37 @@ SOLUTION_VERSION = 2
 
 @dataclass(frozen=True)
 class ProblemSpace:
-    """The problems ``a op b`` the generator draws from: ``ops`` among ``+-*``, operands 0..``max_operand`` (products
-    at most 0..20), and the ``split`` of that space (``all``, or one of ``SPLITS``)."""
+    """The problems ``a op b`` the generator draws from: ``ops`` among ``+-*``, operands ``min_operand`` ..
+    ``max_operand`` (products at most 0..20), and the ``split`` of that space (``all``, or one of ``SPLITS``)."""
 
     ops: str = "+-*"
     max_operand: int = 99
     split: str = "all"
+    min_operand: int = 0
 
     @classmethod
     def of(cls, data_cfg: DataConfig, split: str | None = None) -> ProblemSpace:
-        return cls(data_cfg.ops, data_cfg.max_operand, data_cfg.split if split is None else split)
+        return cls(data_cfg.ops, data_cfg.max_operand, data_cfg.split if split is None else split,
+                   data_cfg.min_operand)
+
+    def operand_range(self, op: str) -> tuple[int, int]:
+        return self.min_operand, (min(20, self.max_operand) if op == "*" else self.max_operand)
+
+    @property
+    def enumerable(self) -> bool:
+        """Small enough to list every problem (draws from a larger space are rejection-sampled by split)."""
+        return sum((hi - lo + 1) ** 2 for lo, hi in map(self.operand_range, dict.fromkeys(self.ops))
+                   if hi >= lo) <= _ENUMERABLE
 
 
 # Disjoint shares of every problem space, by a stable hash of the problem with its operands in a canonical order
 # (a + b and b + a fall in the same split): the SFT warm start, GRPO's prompts and the held-out eval never share a
 # problem, whatever their seeds and counts. ``all``: the whole space.
-SPLITS: dict[str, tuple[float, float]] = {"sft": (0.0, 0.7), "rl": (0.7, 0.85), "heldout": (0.85, 1.0)}
+SPLITS: dict[str, tuple[float, float]] = dict(zip(SPLIT_NAMES, ((0.0, 0.7), (0.7, 0.85), (0.85, 1.0))))
+
+
+# spaces with more operand pairs than this are sampled, never listed (4-digit additions hold 81 million)
+_ENUMERABLE = 1_000_000
 
 
 def split_of(a: int, op: str, b: int) -> str:
@@ -76,10 +92,13 @@ def problems_of(space: ProblemSpace) -> dict[str, tuple[tuple[int, int], ...]]:
         raise ValueError(f"data.ops={space.ops!r}: use one or more of {''.join(_OPS)!r}")
     if space.split != "all" and space.split not in SPLITS:
         raise ValueError(f"data.split={space.split!r}: use all or one of {sorted(SPLITS)}")
+    if not space.enumerable:
+        raise ValueError(f"operands {space.min_operand}..{space.max_operand}: too many problems to list "
+                         "(draw_problem samples them)")
     out = {}
     for op in dict.fromkeys(space.ops):
-        hi = min(20, space.max_operand) if op == "*" else space.max_operand
-        pairs = tuple((a, b) for a in range(hi + 1) for b in range(hi + 1)
+        lo, hi = space.operand_range(op)
+        pairs = tuple((a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)
                       if space.split == "all" or split_of(a, op, b) == space.split)
         if pairs:
             out[op] = pairs
@@ -90,10 +109,23 @@ def problems_of(space: ProblemSpace) -> dict[str, tuple[tuple[int, int], ...]]:
 
 
 def draw_problem(rng: random.Random, space: ProblemSpace = ProblemSpace()) -> dict[str, str]:
-    """One problem of ``space`` as ``{"prompt": ..., "label": ...}``: an operator, then one of its operand pairs."""
-    problems = problems_of(space)
-    op = rng.choice(sorted(problems))
-    a, b = rng.choice(problems[op])
+    """One problem of ``space`` as ``{"prompt": ..., "label": ...}``: an operator, then one of its operand pairs
+    (in a space too large to list, uniform operands redrawn until the problem is in the split)."""
+    if space.enumerable:
+        problems = problems_of(space)
+        op = rng.choice(sorted(problems))
+        a, b = rng.choice(problems[op])
+    else:
+        ops = [op for op in sorted(dict.fromkeys(space.ops)) if space.operand_range(op)[1] >= space.min_operand]
+        if not ops:
+            raise ValueError(f"no arithmetic problem of ops={space.ops!r} with operands {space.min_operand}.."
+                             f"{space.max_operand}")
+        op = rng.choice(ops)
+        lo, hi = space.operand_range(op)
+        while True:
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            if space.split == "all" or split_of(a, op, b) == space.split:
+                break
     return {"prompt": PROMPT_TEMPLATE.format(a=a, op=op, b=b), "label": str(_answer(a, op, b))}
 
 
@@ -117,14 +149,38 @@ def worked_solution(prompt: str, verbose: bool = False) -> tuple[str, str]:
     return template.format(a=a, op=op, b=b, answer=answer), str(answer)
 
 
+def worked_tool_episode(prompt: str) -> list[list[dict[str, str]]]:
+    """The calculator episode of a prompt of ``PROMPT_TEMPLATE`` as two SFT chats (the loss is on a chat's last
+    message): the prompt answered by a tool call, and the whole episode up to the answer taken from the tool's result.
+    Rendered by the chat template they are the token sequence ``env=calculator`` runs (its observation template is
+    the template's user turn)."""
+    from r3rl.env.calculator import CALL_TEMPLATE, RESULT_TEMPLATE
+
+    m = _PROBLEM.search(prompt)
+    if m is None:
+        raise ValueError(f"not an arithmetic prompt of r3rl.data.arithmetic: {prompt!r}")
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    answer = _answer(a, op, b)
+    call = {"role": "assistant", "content": CALL_TEMPLATE.format(expression=f"{a} {op} {b}")}
+    chat = [{"role": "user", "content": prompt}, call]
+    return [chat, chat + [{"role": "user", "content": RESULT_TEMPLATE.format(result=answer)},
+                          {"role": "assistant", "content": f"\\boxed{{{answer}}}"}]]
+
+
 def generate_sft_examples(num: int, seed: int, space: ProblemSpace = ProblemSpace(),
-                          verbose_share: float = 0.0) -> list[dict[str, str]]:
+                          verbose_share: float = 0.0, tool_share: float = 0.0,
+                          messages_key: str = "messages") -> list[dict]:
     """The problems of ``generate_problems(num, seed, space)`` (the same draw as the prompt file of that seed, count
-    and space) with a worked solution each, ``verbose_share`` of them in the wordy style (drawn from ``seed``):
-    ``{"prompt", "label", "response"}``."""
+    and space) with a worked solution each, ``verbose_share`` of them in the wordy style and ``tool_share`` as a
+    calculator episode (two records, ``worked_tool_episode``), both drawn from ``seed``: ``{"prompt", "label",
+    "response"}`` or ``{"prompt", "label", messages_key}``."""
     out = []
     styles = random.Random(seed + 1)
+    tools = random.Random(seed + 2)
     for problem in generate_problems(num, seed, space):
+        if tool_share and tools.random() < tool_share:
+            out += [{**problem, messages_key: chat} for chat in worked_tool_episode(problem["prompt"])]
+            continue
         response, label = worked_solution(problem["prompt"], verbose=styles.random() < verbose_share)
         assert label == problem["label"]
         out.append({**problem, "response": response})
@@ -135,6 +191,7 @@ def sft_fingerprint(data_cfg: DataConfig) -> dict:
     """What a generated SFT file was made from; a cached file with another fingerprint is regenerated."""
     return {"generator": "arithmetic_sft", "solution_version": SOLUTION_VERSION, "template": SOLUTION_TEMPLATE,
             "verbose_template": VERBOSE_TEMPLATE, "verbose_share": data_cfg.verbose_share,
+            **({"tool_share": data_cfg.tool_share} if data_cfg.tool_share else {}),
             "prompt_template": PROMPT_TEMPLATE, "num": data_cfg.num_generated_prompts, "seed": data_cfg.seed,
             "keys": [data_cfg.prompt_key, data_cfg.label_key, data_cfg.response_key],
             "space": dataclasses.asdict(ProblemSpace.of(data_cfg)), "splits": SPLITS}
@@ -182,9 +239,10 @@ def ensure_sft_data(data_cfg: DataConfig) -> Path:
     as it is and never overwritten."""
     def make(path: Path) -> Path:
         examples = generate_sft_examples(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg),
-                                         data_cfg.verbose_share)
+                                         data_cfg.verbose_share, data_cfg.tool_share, data_cfg.messages_key)
         for ex in examples:  # the response under its configured key (write_jsonl renames prompt and label)
-            ex[data_cfg.response_key] = ex.pop("response")
+            if "response" in ex:
+                ex[data_cfg.response_key] = ex.pop("response")
         return write_jsonl(examples, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
 
     return ensure_generated(
@@ -209,7 +267,7 @@ def generate_heldout(num: int, seed: int, exclude: Iterable[str],
     training = problem_keys(exclude)
     taken: set[str] = set()
     available = len({problem_key(PROMPT_TEMPLATE.format(a=a, op=op, b=b))
-                     for op, pairs in problems_of(space).items() for a, b in pairs})
+                     for op, pairs in problems_of(space).items() for a, b in pairs}) if space.enumerable else None
     rng = random.Random(seed)
     out: list[dict[str, str]] = []
     for _ in range(1000 * num):
@@ -258,12 +316,12 @@ def prompts_fingerprint(data_cfg: DataConfig) -> dict:
 def ensure_prompts(data_cfg: DataConfig) -> Path:
     """The prompt file of ``data_cfg``, generated first when missing (or stale, when r3rl made it from another
     draw) and ``data.generate_if_missing`` allows it."""
+    from r3rl.data.dataset import missing_prompts_message  # dataset imports this module
+
     def make(path: Path) -> Path:
         problems = generate_problems(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg))
         return write_jsonl(problems, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)
 
     return ensure_generated(
         data_cfg.path, prompts_fingerprint(data_cfg), make, regenerate=data_cfg.generate_if_missing,
-        missing=f"data.path={data_cfg.path}: no such file. Point data.path at a JSONL file with one object per line "
-                f"holding '{data_cfg.prompt_key}' and '{data_cfg.label_key}' (data={data_cfg.name}), or use "
-                f"data=arithmetic, which generates its prompts.")
+        missing=missing_prompts_message(data_cfg))

@@ -21,6 +21,9 @@ from r3rl.env.base import Environment, Episode, Turn
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 BOXED = "\\boxed{"
+# how a call and its answer are written (the SFT warm start's worked tool episodes use the same)
+CALL_TEMPLATE = "<calc>{expression}</calc>"
+RESULT_TEMPLATE = "<result>{result}</result>"
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
@@ -95,7 +98,7 @@ class CalculatorEpisode(Episode):
             result, error = evaluate(calls[-1], max_chars=self.env.max_chars, max_digits=self.env.max_digits), False
         except CalcError as err:
             result, error = f"error: {err}", True
-        return Turn(observation=f"<result>{result}</result>", tool_call=True, tool_error=error)
+        return Turn(observation=RESULT_TEMPLATE.format(result=result), tool_call=True, tool_error=error)
 
 
 class CalculatorEnv(Environment):

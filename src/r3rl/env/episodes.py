@@ -42,11 +42,14 @@ class EpisodeSettings:
     max_context_tokens: int
     tool_timeout_s: float
     observation_template: str
+    max_tokens_per_turn: int | None = None  # None: the sampling config's max_tokens
 
     @classmethod
-    def of(cls, env_cfg) -> EpisodeSettings:
-        return cls(env_cfg.max_turns, env_cfg.max_context_tokens, env_cfg.tool_timeout_s,
-                   env_cfg.observation_template)
+    def of(cls, cfg) -> EpisodeSettings:
+        """From a validated run config: its ``env`` keys, the context budget defaulting to the engine's."""
+        env = cfg.env
+        return cls(env.max_turns, env.max_context_tokens or cfg.rollout.engine.max_model_len, env.tool_timeout_s,
+                   env.observation_template, env.max_tokens_per_turn)
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class EpisodeRunner:
         rows_full = 0
         masked = ""
         for t in range(1, cfg.max_turns + 1):
-            budget = min(sampling.max_tokens, cfg.max_context_tokens - len(context))
+            budget = min(cfg.max_tokens_per_turn or sampling.max_tokens, cfg.max_context_tokens - len(context))
             start = route_start(held)
             seed = sample_seed(sampling.seed, step, index) + t * _TURN_SEED_STRIDE
             sample, failure = None, ""

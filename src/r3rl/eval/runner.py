@@ -1,8 +1,9 @@
 """One eval point: every eval set generated on the engines with the weights they serve now, scored, summarised.
 
 Eval requests go through their own ``RolloutClient`` with routing replay off: nothing here is trained on, so the
-routes are neither decoded nor kept. The same request seeds are used at every point, so two points differ by the
-weights only. ``stop()`` returning true (SIGTERM) abandons the point: its requests are cancelled and
+routes are neither decoded nor kept. With an ``env`` that runs episodes, eval runs them the same way (each sample
+an episode, the answer of its last policy turn scored). The same request seeds are used at every point, so two
+points differ by the weights only. ``stop()`` returning true (SIGTERM) abandons the point: its requests are cancelled and
 ``EvalInterrupted`` is raised, for the recipe to redo the point after resume.
 """
 
@@ -16,6 +17,8 @@ from typing import Any
 
 from rich.console import Console
 
+from r3rl.env import build_environment, multi_turn
+from r3rl.env.episodes import EpisodePrompt, EpisodeRunner, EpisodeSettings
 from r3rl.eval.records import write_record
 from r3rl.eval.scoring import overlaps_key, set_metrics
 from r3rl.eval.sets import EvalSet
@@ -34,9 +37,10 @@ class EvalInterrupted(Exception):
 
 class Evaluator:
     def __init__(self, sets: list[EvalSet], client: RolloutClient, tokenizer: Any, console: Console,
-                 record_dir: Path | None = None) -> None:
+                 record_dir: Path | None = None, episodes: EpisodeRunner | None = None) -> None:
         self.sets = sets
         self.client = client
+        self.episodes = episodes
         self.tokenizer = tokenizer
         self.console = console
         # per-prompt scores of every eval point (r3rl.eval.records): the same prompts at two points give a paired
@@ -50,7 +54,11 @@ class Evaluator:
         client = RolloutClient(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
                                routing_replay=False, max_concurrency=eng.max_concurrency,
                                request_timeout_s=eng.request_timeout_s)
-        return cls(sets, client, tokenizer, console, record_dir)
+        episodes = None
+        if multi_turn(cfg.env):
+            episodes = EpisodeRunner(client, build_environment(cfg.env), tokenizer, EpisodeSettings.of(cfg),
+                                     stop_token_ids=[tokenizer.eos_token_id])
+        return cls(sets, client, tokenizer, console, record_dir, episodes)
 
     def evaluate(self, step: int, stop: Callable[[], bool]) -> dict[str, float]:
         """``eval/<set>/...`` for every set and ``perf/eval_time_s``, for the weights after ``step``."""
@@ -64,7 +72,8 @@ class Evaluator:
             if step > 0 and served != [step]:  # step 0: whatever an attached engine held, possibly labelled before
                 raise EngineError(f"eval {s.name} at step {step}: the engines served weight version(s) {served}, "
                                   f"not step {step}'s: the eval would score another policy")
-            texts = [self.tokenizer.decode(x.response_ids, skip_special_tokens=True) for x in samples]
+            texts = [self.tokenizer.decode(x.extra.get("answer_ids", x.response_ids), skip_special_tokens=True)
+                     for x in samples]
             rewards = [s.score(t, x.label) for t, x in zip(texts, samples)]
             n, k = s.cfg.n_samples_per_prompt, s.k
             values.update(set_metrics(
@@ -84,10 +93,16 @@ class Evaluator:
         return values
 
     async def _generate(self, s: EvalSet, step: int, stop: Callable[[], bool]):
-        task = asyncio.create_task(self.client.generate(
-            [list(map(int, p.prompt_ids)) for p in s.prompts], s.cfg.n_samples_per_prompt, s.cfg.sampling,
-            step=_SEED_STEP, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in s.prompts],
-            progress_label=f"eval {s.name} (weights of step {step})"))
+        label = f"eval {s.name} (weights of step {step})"
+        if self.episodes is not None:
+            task = asyncio.create_task(self.episodes.run(
+                [EpisodePrompt(p.prompt_ids, p.text, p.label) for p in s.prompts], s.cfg.n_samples_per_prompt,
+                s.cfg.sampling, step=_SEED_STEP, progress_label=label))
+        else:
+            task = asyncio.create_task(self.client.generate(
+                [list(map(int, p.prompt_ids)) for p in s.prompts], s.cfg.n_samples_per_prompt, s.cfg.sampling,
+                step=_SEED_STEP, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in s.prompts],
+                progress_label=label))
         while not task.done():
             if stop():
                 task.cancel()

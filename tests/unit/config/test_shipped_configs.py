@@ -10,7 +10,8 @@ from dataclasses import fields, is_dataclass
 import pytest
 from omegaconf import OmegaConf
 
-from r3rl.config import CONF_DIR, compose
+from r3rl.config import CONF_DIR
+from r3rl.preflight import compose
 from r3rl.config.schema import GROUP_SCHEMAS, R3RLConfig
 
 GROUPS = sorted(GROUP_SCHEMAS)
@@ -85,6 +86,8 @@ def test_every_experiment_composes_and_validates(experiment):
 def test_group_yaml_has_every_schema_key_and_no_other(group, option):
     """Nothing shipped needs `+key=`: each option spells out every field of its schema (verl#7430's drift)."""
     raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"))
+    if global_package(CONF_DIR / group / f"{option}.yaml"):  # its group's keys under the group's name (env=...)
+        raw = raw[group]
     parent = [d for d in raw.get("defaults", []) if isinstance(d, str) and d != "_self_"]
     present = yaml_keys(raw)
     for base in parent:  # an option that extends another (vllm_r3 -> vllm) inherits the base's keys
@@ -94,10 +97,17 @@ def test_group_yaml_has_every_schema_key_and_no_other(group, option):
     assert expected - present == set(), f"{group}/{option}.yaml lacks schema keys"
 
 
+def global_package(path: Path) -> bool:
+    return path.read_text().startswith("# @package _global_")
+
+
 def test_overlays_only_set_schema_keys():
+    """Fails if an overlay (scale, experiment, or a group option in the global package, such as env=calculator
+    bringing its task) set a key the schema lacks."""
     allowed = schema_keys(R3RLConfig)
     for path in YAMLS:
-        if path.parent.name not in ("scale", "experiment") and path.name != "config.yaml":
+        if path.parent.name not in ("scale", "experiment") and path.name != "config.yaml" and \
+                not global_package(path):
             continue
         raw = OmegaConf.to_container(OmegaConf.load(path))
         raw.pop("hydra", None)
