@@ -5,7 +5,8 @@
     python run.py ... run.dry_run=true              # print the launch plan, start nothing
     python run.py -m rollout=vllm,vllm_r3           # R3 and baseline, one run each
 
-A single run is composed and checked before Hydra's app starts, because the app writes ``.hydra/`` and ``run.log``
+A single run is composed and checked (``r3rl.config``'s schema and rules, then ``r3rl.preflight``'s files, environment
+and memory plan) before Hydra's app starts, because the app writes ``.hydra/`` and ``run.log``
 into the run folder first: a dry run, a refused config and a run that already finished write nothing there.
 """
 
@@ -17,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from r3rl.config import ConfigError, compose, load_config, register_configs
+from r3rl.preflight import preflight
 from r3rl.platform import default_parallelism
 
 # flags of Hydra's app (multirun, --cfg, --help, ...): those command lines go to the app unchecked
@@ -45,6 +47,8 @@ def settle_before_start(argv: list[str]) -> None:
 
     try:
         cfg = compose(argv[1:])
+        # a launch needs its files here; a dry run plans one elsewhere, where they may be mounted
+        preflight(cfg, launching=not cfg.run.dry_run)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -68,7 +72,7 @@ def main(raw: DictConfig) -> None:
     from r3rl.launch import dry_run, launch
 
     try:
-        cfg = load_config(raw)
+        cfg = preflight(load_config(raw), launching=not raw.run.dry_run)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

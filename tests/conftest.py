@@ -32,8 +32,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def compose_cfg():
-    """compose_cfg(*overrides) -> validated R3RLConfig (parallelism defaults to cpu unless named)."""
-    from r3rl.config import compose
+    """compose_cfg(*overrides) -> R3RLConfig checked as run.py checks it: schema, rules and preflight (parallelism
+    defaults to cpu unless named)."""
+    from r3rl.preflight import compose
 
     def _compose(*overrides: str):
         return compose(list(overrides))
@@ -43,7 +44,7 @@ def compose_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    from r3rl.config import compose
+    from r3rl.preflight import compose
 
     return compose(["model=tiny_moe", "parallelism=cpu"])
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from r3rl.config import CONF_DIR, ConfigError, compose
+from r3rl.config import CONF_DIR, ConfigError
+from r3rl.preflight import compose
 from r3rl.memory import GIB, estimate, param_counts, table
 from r3rl.plan import build_plan
 

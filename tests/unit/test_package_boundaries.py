@@ -4,7 +4,8 @@ import that crosses one fails here rather than in a review.
 - ``r3rl.train`` (the Megatron side) imports nothing of the rollout or of the weight sync: the trainer only
   produces HF buckets (``r3rl.train.export``), it never talks to an engine.
 - ``r3rl.rollout`` is about generation and imports nothing of the sync or the trainer.
-- ``r3rl.config`` is validated before any plan exists and imports neither ``r3rl.plan`` nor anything above it.
+- ``r3rl.config`` is validated before any plan exists and imports neither ``r3rl.plan`` nor anything above it:
+  checks that read data, eval sets or checkpoints, build the environment or plan memory live in ``r3rl.preflight``.
 - ``r3rl.env`` drives episodes over the rollout client and knows neither the trainer nor the weight sync.
 - ``r3rl.sync``'s engine side (what vLLM's worker imports) pulls in neither the trainer nor the rollout client.
 """
@@ -42,7 +43,8 @@ def crossings(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
 @pytest.mark.parametrize("package, forbidden", [
     ("train", ("r3rl.rollout", "r3rl.sync", "r3rl.orchestration")),
     ("rollout", ("r3rl.sync", "r3rl.train", "r3rl.orchestration")),
-    ("config", ("r3rl.plan", "r3rl.placement", "r3rl.rollout", "r3rl.sync", "r3rl.train", "r3rl.orchestration")),
+    ("config", ("r3rl.plan", "r3rl.placement", "r3rl.rollout", "r3rl.sync", "r3rl.train", "r3rl.orchestration",
+                "r3rl.data", "r3rl.eval", "r3rl.memory", "r3rl.models", "r3rl.env", "r3rl.preflight")),
     ("env", ("r3rl.sync", "r3rl.train", "r3rl.orchestration")),
 ])
 def test_package_does_not_import_across_its_boundary(package, forbidden):

@@ -10,6 +10,8 @@ RECIPE_NAMES = ("grpo", "sft")
 CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
 # correction.rejected_tokens: what a token IcePop / seq_mask_tis rejects does to the loss's token count
 REJECTED_TOKENS = ("zero_weight", "drop_from_count")
+# the disjoint shares of a generated problem space (r3rl.data.arithmetic.SPLITS gives their sizes)
+SPLIT_NAMES = ("sft", "rl", "heldout")
 
 
 def replay_mode(cfg) -> str:

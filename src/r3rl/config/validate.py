@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from r3rl.config.modes import CORRECTION_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES, replay_mode
+from r3rl.config.modes import CORRECTION_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES, SPLIT_NAMES, replay_mode
 from r3rl.config.schema import R3RLConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -258,12 +258,18 @@ def validate(cfg: R3RLConfig) -> None:
     check(env.tool_timeout_s > 0, "env.tool_timeout_s", f"must be > 0, got {env.tool_timeout_s}")
     check("{observation}" in env.observation_template, "env.observation_template",
           f"must hold {{observation}}, got {env.observation_template!r}")
+    check(env.max_tokens_per_turn is None or env.max_tokens_per_turn >= 1, "env.max_tokens_per_turn",
+          f"must be null or >= 1, got {env.max_tokens_per_turn}")
+    check(env.max_tokens_per_turn is None or episodes, "env.max_tokens_per_turn",
+          "is for episodes (env.environment); a single turn takes rollout.sampling.max_tokens")
+    if episodes and env.max_tokens_per_turn:
+        need = cfg.data.max_prompt_length + env.max_tokens_per_turn
     budget = ro.engine.max_model_len if env.max_context_tokens is None else env.max_context_tokens
     check(env.max_context_tokens is None or env.max_context_tokens <= ro.engine.max_model_len,
           "env.max_context_tokens", f"{env.max_context_tokens} exceeds rollout.engine.max_model_len="
           f"{ro.engine.max_model_len} (a turn's context would not fit the engine)")
     check(not episodes or budget >= need, "env.max_context_tokens",
-          f"{budget} leaves no room for a first turn: data.max_prompt_length + rollout.sampling.max_tokens = {need}")
+          f"{budget} leaves no room for a first turn: data.max_prompt_length + the turn's max tokens = {need}")
     check(not cfg.debug.wrong_stitching or (episodes and ro.routing_replay), "debug.wrong_stitching",
           "moves episodes' route rows: it needs an env with episodes and rollout=vllm_r3")
     check(not episodes or cfg.recipe.name == "grpo", "env",
@@ -329,9 +335,6 @@ def validate(cfg: R3RLConfig) -> None:
               f"must be a positive multiple of trainer.micro_batch_size x data parallel = {tr.micro_batch_size} x "
               f"{dp}, got {sft.batch_size}")
         check(bool(sft.export_dir), "sft.export_dir", "must name the folder the HF checkpoint is written to")
-        from r3rl.data.sft import sft_data_problems
-
-        problems.extend(sft_data_problems(cfg))
 
     ws = cfg.warm_start
     # the warm start writes worked solutions of the generated arithmetic task; other data starts from model.checkpoint
@@ -349,27 +352,20 @@ def validate(cfg: R3RLConfig) -> None:
 
     # data, logger, run
     check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
-    from r3rl.data.arithmetic import SPLITS
-
-    check(cfg.data.split == "all" or cfg.data.split in SPLITS, "data.split",
-          f"must be all or one of {sorted(SPLITS)}, got {cfg.data.split!r}")
+    check(cfg.data.split == "all" or cfg.data.split in SPLIT_NAMES, "data.split",
+          f"must be all or one of {sorted(SPLIT_NAMES)}, got {cfg.data.split!r}")
     check(bool(cfg.data.ops) and set(cfg.data.ops) <= set("+-*"), "data.ops",
           f"must be one or more of '+-*', got {cfg.data.ops!r}")
     check(cfg.data.max_operand >= 1, "data.max_operand", f"must be >= 1, got {cfg.data.max_operand}")
+    check(0 <= cfg.data.min_operand <= cfg.data.max_operand, "data.min_operand",
+          f"must be in 0..data.max_operand={cfg.data.max_operand}, got {cfg.data.min_operand}")
+    check(cfg.data.ops != "*" or cfg.data.min_operand <= 20, "data.min_operand",
+          f"products take operands up to 20, got data.min_operand={cfg.data.min_operand} with data.ops='*'")
+    for key, share in (("data.tool_share", cfg.data.tool_share), ("warm_start.tool_share", ws.tool_share),
+                       ("data.verbose_share", cfg.data.verbose_share)):
+        check(0.0 <= share <= 1.0, key, f"must be in [0, 1], got {share}")
     check(0.0 <= cfg.data.partial_credit < 1.0, "data.partial_credit",
           f"must be in [0, 1) so a right answer always scores higher, got {cfg.data.partial_credit}")
-    problems.extend(reward_problems(cfg))
-    from r3rl.data.dataset import FORMATS, prompt_data_problems
-    from r3rl.data.formats import detect_format
-
-    check(cfg.data.format in FORMATS, "data.format", f"must be one of {FORMATS}, got {cfg.data.format!r}")
-    if cfg.data.format in FORMATS:
-        if cfg.recipe.name == "sft":
-            fmt = detect_format(cfg.data.path, cfg.data.format)
-            check(fmt == "jsonl", "data.format", f"recipe=sft reads JSONL records only; {cfg.data.path} is read as "
-                                                 f"{fmt} (data.format={cfg.data.format})")
-        else:  # a bad record, a missing column or an empty label, named by file, line or row and key
-            problems.extend(prompt_data_problems(cfg.data))
     check(cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
           f"must be one of {WANDB_MODES}, got {cfg.logger.wandb.mode!r}")
     check(cfg.run.num_steps >= 1, "run.num_steps", "must be >= 1")
@@ -381,101 +377,5 @@ def validate(cfg: R3RLConfig) -> None:
     check(par.cpus_per_gpu is None or par.cpus_per_gpu > 0, "parallelism.cpus_per_gpu",
           f"must be null or > 0, got {par.cpus_per_gpu}")
 
-    problems.extend(checkpoint_problems(m))
-
-    # eval sets, their files included: a malformed record is named by file and line here, before launch
-    from r3rl.eval.sets import eval_overlaps, eval_problems
-
-    problems.extend(eval_problems(cfg))
-    if not problems:  # reads the training data, which needs sane data and eval settings
-        problems.extend(eval_overlaps(cfg))
-
     if problems:
         raise ConfigError(problems)
-    problems.extend(memory_problems(cfg))
-    if problems:
-        raise ConfigError(problems)
-
-
-def reward_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
-    """(key, reason) for a training reward (``reward``) that cannot grade: an unknown grader, a timeout that is no
-    limit, partial credit from a grader that has none, math-verify not installed."""
-    import importlib.util
-
-    from r3rl.data.reward import GRADERS
-
-    rw, problems = cfg.reward, []
-    if rw.name not in GRADERS:
-        problems.append(("reward.name", f"must be one of {sorted(GRADERS)} (reward=<name>), got {rw.name!r}"))
-    elif cfg.data.partial_credit > 0 and GRADERS[rw.name].answer is None:
-        problems.append(("data.partial_credit", f"must be 0 with reward={rw.name}, which grades right or wrong only "
-                                                f"(partial credit needs reward=boxed_exact or exact), got "
-                                                f"{cfg.data.partial_credit}"))
-    if not rw.timeout_s > 0:
-        problems.append(("reward.timeout_s", f"must be > 0 (seconds per response), got {rw.timeout_s}"))
-    named = {f"eval.sets.{n}.reward": s.reward for n, s in cfg.eval.sets.items()}
-    for key, name in {"reward.name": rw.name, **named}.items():
-        if name == "math_verify" and importlib.util.find_spec("math_verify") is None:
-            problems.append((key, "math_verify needs the math-verify package: pip install 'math-verify[antlr4_9_3]'"))
-    return problems
-
-
-# model.<key> -> the HF config.json field of a Qwen3-MoE checkpoint that must agree with it
-_HF_SHAPE = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
-             "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
-             "head_dim": "head_dim", "num_experts": "num_experts", "moe_topk": "num_experts_per_tok",
-             "moe_ffn_hidden_size": "moe_intermediate_size", "vocab_size": "vocab_size"}
-
-
-def checkpoint_problems(model) -> list[tuple[str, str]]:
-    """An existing ``model.checkpoint`` folder not of r3rl's making (a downloaded model, an SFT run's export) whose
-    config.json disagrees with the ``model`` config's shape. A folder r3rl generated is regenerated on a change of
-    shape, and a missing one is reported when the run prepares it (GPU clusters mount it later)."""
-    import json
-    from pathlib import Path
-
-    from r3rl.models.tiny_moe import MARKER
-
-    folder = Path(model.checkpoint)
-    config = folder / "config.json"
-    if not config.is_file() or (model.generate_if_missing and (folder / MARKER).is_file()):
-        return []
-    try:
-        hf = json.loads(config.read_text())
-    except (OSError, ValueError) as err:
-        return [("model.checkpoint", f"{config}: not readable as JSON ({err})")]
-    wrong = [f"{hf_key}={hf[hf_key]} but model.{key}={getattr(model, key)}" for key, hf_key in _HF_SHAPE.items()
-             if hf_key in hf and hf[hf_key] != getattr(model, key)]
-    if wrong:
-        return [("model.checkpoint", f"{config} is not a model={model.name}: {'; '.join(wrong)} (choose the model "
-                                     "config of that checkpoint, or another checkpoint)")]
-    return []
-
-
-def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
-    """GPUs whose estimated bytes (``r3rl.memory``) exceed ``parallelism.gpu_memory_gib``, with the keys to change."""
-    from r3rl import memory
-    from r3rl.config.modes import resolve_dtype
-
-    device = cfg.parallelism.device
-    plan = memory.estimate(cfg, resolve_dtype(cfg.trainer.params_dtype, device),
-                           resolve_dtype(cfg.rollout.engine.dtype, device))
-    problems = []
-    if not memory.engine_weights_fit(cfg, plan):
-        problems.append((memory.engine_memory_share_key(cfg),
-                         f"{memory.engine_memory_share(cfg)} of {cfg.parallelism.gpu_memory_gib} GiB does "
-                         f"not hold the engine's weights; raise it or the engines' tensor_parallel"))
-    for gpu in plan.over_budget():
-        parts = ", ".join(f"{role} {p.name} {p.bytes / memory.GIB:.1f}" for role, p in gpu.parts if p.bytes)
-        problems.append(("parallelism.gpu_memory_gib",
-                         f"out of GPU memory: a {gpu.gpu} GPU needs ~{gpu.total / memory.GIB:.1f} GiB, over the "
-                         f"{cfg.parallelism.gpu_memory_gib} GiB budget ({parts} GiB); change "
-                         + "; ".join(memory.fixes(cfg))))
-    for host in plan.hosts_over_budget():
-        parts = ", ".join(f"{role} {p.name} {p.bytes / memory.GIB:.1f}" for role, p in host.parts if p.bytes)
-        problems.append(("parallelism.host_memory_gib",
-                         f"out of host memory: node {host.node} needs ~{host.total / memory.GIB:.1f} GiB "
-                         f"({host.pinned / memory.GIB:.1f} pinned, {host.pageable / memory.GIB:.1f} pageable), over "
-                         f"the {cfg.parallelism.host_memory_gib} GiB budget per node ({parts} GiB); change "
-                         + "; ".join(memory.host_fixes(cfg))))
-    return problems

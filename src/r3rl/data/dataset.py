@@ -87,13 +87,26 @@ def read_prompt_rows(path: str | Path, pkey: str, lkey: str, config_key: str = "
     return rows
 
 
-def prompt_data_problems(data_cfg: DataConfig) -> list[tuple[str, str]]:
-    """(key, reason) for a GRPO prompt file that cannot be used: a bad record, a missing column or an empty label,
-    named by file, line or row and key. A file that is not there yet (generated at setup, or mounted later) and one
-    r3rl will write afresh are not read."""
+def missing_prompts_message(data_cfg: DataConfig, config_key: str = "data") -> str:
+    """What to do about a prompt file that is not there, in the terms of its format (a parquet path gets columns,
+    not JSONL lines)."""
+    fmt = detect_format(data_cfg.path, data_cfg.format, config_key)
+    holding = f"'{data_cfg.prompt_key}' and '{data_cfg.label_key}'"
+    what = {"parquet": f"a parquet file with the columns {holding}",
+            "hf_disk": f"a datasets save_to_disk folder with the columns {holding}"}.get(
+        fmt, f"a JSONL file with one object per line holding {holding}")
+    return (f"{config_key}.path={data_cfg.path}: no such file. Point {config_key}.path at {what} "
+            f"({config_key}={data_cfg.name}), or use data=arithmetic, which generates its prompts")
+
+
+def prompt_data_problems(data_cfg: DataConfig, *, allow_missing: bool = False) -> list[tuple[str, str]]:
+    """(key, reason) for a GRPO prompt file that cannot be used: a missing file that will not be generated (unless
+    ``allow_missing``: checked away from the launch, where it may be mounted later), a bad record, a missing column or
+    an empty label, named by file, line or row and key. A file r3rl will write afresh is not read."""
     path = Path(data_cfg.path)
     if not path.exists():
-        return []
+        return [] if data_cfg.generate_if_missing or allow_missing else \
+            [("data.path", missing_prompts_message(data_cfg))]
     if path.is_file() and data_cfg.generate_if_missing:
         from r3rl.data.arithmetic import prompts_fingerprint, used_as_is
 
@@ -123,8 +136,7 @@ class PromptDataset:
 
     def _read(self) -> list[tuple[int, list[dict[str, str]] | str, str]]:
         if not self.path.exists():
-            raise FileNotFoundError(f"{self.config_key}.path={self.cfg.path}: no such file (r3rl.data.ensure_prompts "
-                                    f"generates the arithmetic set when data.generate_if_missing=true)")
+            raise FileNotFoundError(missing_prompts_message(self.cfg, self.config_key))
         self.format = detect_format(self.path, self.cfg.format, self.config_key)
         return read_prompt_rows(self.path, self.cfg.prompt_key, self.cfg.label_key, self.config_key, self.format)
 

@@ -1,6 +1,6 @@
 """Eval sets from the ``eval`` config: their config checks, the generated arithmetic held-out split, and loading.
 
-``eval_problems`` runs inside ``r3rl.config.validate`` (before any process starts): it reads every eval file that
+``eval_problems`` runs in ``r3rl.preflight`` (before any process starts): it reads every eval file that
 exists and reports the first bad record with its file and line. A missing file is a problem unless the set
 generates it (the arithmetic held-out split, written at setup from the training prompts it must avoid).
 

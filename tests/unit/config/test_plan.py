@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from r3rl.config import compose
+from r3rl.preflight import compose
 from r3rl.plan import VLLM_SERVER_MODULE, build_plan, describe
 from r3rl.rollout.probe import launched_model
 

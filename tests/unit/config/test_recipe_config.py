@@ -7,7 +7,8 @@ import json
 import pytest
 from hydra.errors import HydraException
 
-from r3rl.config import ConfigError, compose
+from r3rl.config import ConfigError
+from r3rl.preflight import compose
 
 
 def problem_keys(overrides: list[str]) -> list[str]:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from r3rl.config import ConfigError, compose
+from r3rl.config import ConfigError
 from r3rl.config.validate import estimate_params
+from r3rl.preflight import compose
 
 GPU = "parallelism=disaggregated_4p4"
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize(
@@ -170,3 +176,23 @@ def test_engine_host_unreachable_from_other_nodes_is_refused(compose_cfg):
     # one node: loopback is right; several: an address of the one node holding the engines is fine
     compose_cfg("parallelism=cpu", "rollout.engine.host=127.0.0.1")
     compose_cfg(*base, "rollout.engine.host=10.0.0.5")
+
+
+def test_a_missing_prompt_file_is_a_preflight_problem_in_its_format():
+    """``python run.py data=gsm8k`` without the file: one config-style problem naming data.path and the parquet
+    columns, not a FileNotFoundError traceback asking for JSONL. Fails if the preflight let the missing file through
+    to the recipe, described a parquet path as JSONL, or refused it where no run starts (a dry run, a check of a
+    config that runs elsewhere)."""
+    from r3rl.config import compose as compose_config
+    from r3rl.preflight import preflight, problems
+
+    cfg = compose_config(["model=tiny_moe", "parallelism=cpu", "data=gsm8k", "data.path=/nonexistent/train.parquet"])
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, launching=True)
+    (key, reason), = err.value.problems
+    assert key == "data.path" and "parquet file with the columns 'prompt'" in reason and "JSONL" not in reason
+    assert problems(cfg) == []  # checked away from the launch: the file may be mounted there
+    # r3rl.config alone (schema and rules) never reads the file: the check lives in the preflight
+    out = subprocess.run([sys.executable, "run.py", "data=gsm8k", "data.path=/nonexistent/train.parquet"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "data.path" in out.stderr and "Traceback" not in out.stderr

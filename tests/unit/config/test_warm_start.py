@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from r3rl.config import ConfigError, compose
+from r3rl.config import ConfigError
+from r3rl.preflight import compose
 from recipes import warm_start
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from r3rl.config import ConfigError, compose
+from r3rl.config import ConfigError
+from r3rl.preflight import compose
 from r3rl.config.schema import DataConfig
 from r3rl.data.dataset import DataError, PromptDataset, read_prompt_rows
 from r3rl.data.formats import detect_format

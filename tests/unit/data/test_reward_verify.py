@@ -12,7 +12,8 @@ import pytest
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from r3rl.config import CONF_DIR, ConfigError, compose
+from r3rl.config import CONF_DIR, ConfigError
+from r3rl.preflight import compose
 from r3rl.config.schema import RewardConfig
 from r3rl.data.reward import GRADERS, GradingTimeout, deadline, grade, math_reward
 

@@ -24,7 +24,7 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture
 def sft_data(tmp_path):
-    from r3rl.config import compose
+    from r3rl.preflight import compose
 
     cfg = compose(["parallelism=cpu", "recipe=sft", f"data.path={tmp_path / 'sft.jsonl'}",
                    "data.num_generated_prompts=300"])
@@ -112,7 +112,7 @@ def test_chat_records_give_the_same_tokens_as_prompt_response_records(tmp_path, 
 def test_heldout_split_avoids_the_sft_prompts(tmp_path, sft_data):
     """Fails if the generated eval split may contain a prompt the SFT recipe trains on."""
     from r3rl.eval.sets import ensure_heldout
-    from r3rl.config import compose
+    from r3rl.preflight import compose
 
     ensure_sft_data(sft_data)
     s = compose(["parallelism=cpu"]).eval.sets["arithmetic"]

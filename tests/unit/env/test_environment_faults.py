@@ -57,16 +57,15 @@ def test_a_failing_tool_becomes_an_error_observation(mode, said):
 
 def test_env_configs_are_checked_before_launch(compose_cfg):
     """Fails if a multi-turn setting without an environment, a context budget beyond the engine's, or an
-    environment that cannot be built got past the config check or the recipe's setup."""
+    environment that cannot be built got past the config check or the preflight."""
     with pytest.raises(ValueError, match="env.max_turns"):
         compose_cfg("model=tiny_moe", "parallelism=cpu", "env.max_turns=3")
     with pytest.raises(ValueError, match="env.max_context_tokens"):
         compose_cfg("model=tiny_moe", "parallelism=cpu", "env=calculator", "env.max_context_tokens=100000")
     with pytest.raises(ValueError, match="env.observation_template"):
         compose_cfg("model=tiny_moe", "parallelism=cpu", "env=calculator", "env.observation_template=plain")
-    cfg = compose_cfg("model=tiny_moe", "parallelism=cpu", "env=calculator",
-                      "env.environment._target_=r3rl.env.calculator.NoSuchEnv")
     with pytest.raises(ValueError, match="env.environment: cannot build 'r3rl.env.calculator.NoSuchEnv'"):
-        build_environment(cfg.env)
+        compose_cfg("model=tiny_moe", "parallelism=cpu", "env=calculator",
+                    "env.environment._target_=r3rl.env.calculator.NoSuchEnv")
     ok = compose_cfg("model=tiny_moe", "parallelism=cpu", "env=calculator", "env.environment.max_digits=12")
     assert build_environment(ok.env).max_digits == 12

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from r3rl.config import ConfigError, compose
+from r3rl.config import ConfigError
+from r3rl.preflight import compose
 from r3rl.config.schema import EvalSetConfig
 from r3rl.data.arithmetic import ensure_prompts
 from r3rl.data.dataset import Prompt, read_prompt_rows

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from r3rl.config import CONF_DIR, ConfigError, compose
+from r3rl.config import CONF_DIR, ConfigError
+from r3rl.preflight import compose
 from r3rl.data.arithmetic import ensure_prompts, generate_heldout, generate_problems
 from r3rl.data.dataset import read_prompt_rows
 from r3rl.eval.sets import ensure_heldout, eval_due, training_prompts

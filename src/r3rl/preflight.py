@@ -1,0 +1,169 @@
+"""The launch checks above ``r3rl.config``: what reads files, builds objects or plans memory, run once before any
+process starts.
+
+``r3rl.config`` composes a config and checks its schema and cross-field rules; ``preflight`` then checks what only
+the files and libraries can say: the training data (every record, named by file, line or row and key), the SFT
+records, the eval sets and their overlap with the training prompts, the reward's grader, an existing checkpoint's
+shape, the environment (``env.environment`` built once), and the memory plan against the GPU and host budgets. Every
+problem comes back in one ``ConfigError`` list, each naming the key to change, the way config errors print.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from r3rl.config import ConfigError, compose as compose_config
+from r3rl.config.schema import R3RLConfig
+
+__all__ = ["compose", "preflight", "problems"]
+
+
+def compose(overrides: Sequence[str] = (), *, launching: bool = False) -> R3RLConfig:
+    """``r3rl.config.compose`` followed by ``preflight``: what ``run.py`` checks before it starts anything."""
+    return preflight(compose_config(overrides), launching=launching)
+
+
+def preflight(cfg: R3RLConfig, *, launching: bool = False) -> R3RLConfig:
+    """``cfg`` if every launch check passes, else ``ConfigError`` listing every problem with its key.
+    ``launching``: the run starts on this machine now, so what it reads must be here (a prompt file it will not
+    generate); a dry run or a config checked elsewhere leaves files that are mounted later alone."""
+    found = problems(cfg, launching=launching)
+    if found:
+        raise ConfigError(found)
+    return cfg
+
+
+def problems(cfg: R3RLConfig, *, launching: bool = False) -> list[tuple[str, str]]:
+    """(key, reason) of every launch check that fails; memory is planned once the rest passes (it reads the
+    data's lengths only through the config, but its figures mean nothing for a config that cannot run)."""
+    found: list[tuple[str, str]] = []
+    found.extend(reward_problems(cfg))
+    found.extend(data_problems(cfg, launching))
+    found.extend(checkpoint_problems(cfg.model))
+    found.extend(environment_problems(cfg))
+    # eval sets, their files included: a malformed record is named by file and line here, before launch
+    from r3rl.eval.sets import eval_overlaps, eval_problems
+
+    found.extend(eval_problems(cfg))
+    if not found:  # reads the training data, which needs sane data and eval settings
+        found.extend(eval_overlaps(cfg))
+    if not found:
+        found.extend(memory_problems(cfg))
+    return found
+
+
+def data_problems(cfg: R3RLConfig, launching: bool = False) -> list[tuple[str, str]]:
+    """The training data as the recipe will read it: SFT records (recipe=sft, JSONL only) or prompts, every bad
+    record, missing column or empty label named by file, line or row and key."""
+    from r3rl.data.dataset import FORMATS, prompt_data_problems
+    from r3rl.data.formats import detect_format
+
+    if cfg.data.format not in FORMATS:
+        return [("data.format", f"must be one of {FORMATS}, got {cfg.data.format!r}")]
+    if cfg.recipe.name == "sft":
+        from r3rl.data.sft import sft_data_problems
+
+        fmt = detect_format(cfg.data.path, cfg.data.format)
+        if fmt != "jsonl":
+            return [("data.format", f"recipe=sft reads JSONL records only; {cfg.data.path} is read as {fmt} "
+                                    f"(data.format={cfg.data.format})")]
+        return list(sft_data_problems(cfg))
+    return list(prompt_data_problems(cfg.data, allow_missing=not launching))
+
+
+def environment_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """An ``env.environment`` that cannot be built (an unknown class, a wrong argument, not an ``Environment``)."""
+    from r3rl.env import build_environment, multi_turn
+
+    if not multi_turn(cfg.env):
+        return []
+    try:
+        build_environment(cfg.env)
+    except ValueError as err:
+        key, _, reason = str(err).partition(": ")
+        return [(key, reason)]
+    return []
+
+
+def reward_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """(key, reason) for a training reward (``reward``) that cannot grade: an unknown grader, a timeout that is no
+    limit, partial credit from a grader that has none, math-verify not installed."""
+    import importlib.util
+
+    from r3rl.data.reward import GRADERS
+
+    rw, problems = cfg.reward, []
+    if rw.name not in GRADERS:
+        problems.append(("reward.name", f"must be one of {sorted(GRADERS)} (reward=<name>), got {rw.name!r}"))
+    elif cfg.data.partial_credit > 0 and GRADERS[rw.name].answer is None:
+        problems.append(("data.partial_credit", f"must be 0 with reward={rw.name}, which grades right or wrong only "
+                                                f"(partial credit needs reward=boxed_exact or exact), got "
+                                                f"{cfg.data.partial_credit}"))
+    if not rw.timeout_s > 0:
+        problems.append(("reward.timeout_s", f"must be > 0 (seconds per response), got {rw.timeout_s}"))
+    named = {f"eval.sets.{n}.reward": s.reward for n, s in cfg.eval.sets.items()}
+    for key, name in {"reward.name": rw.name, **named}.items():
+        if name == "math_verify" and importlib.util.find_spec("math_verify") is None:
+            problems.append((key, "math_verify needs the math-verify package: pip install 'math-verify[antlr4_9_3]'"))
+    return problems
+
+
+# model.<key> -> the HF config.json field of a Qwen3-MoE checkpoint that must agree with it
+_HF_SHAPE = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+             "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
+             "head_dim": "head_dim", "num_experts": "num_experts", "moe_topk": "num_experts_per_tok",
+             "moe_ffn_hidden_size": "moe_intermediate_size", "vocab_size": "vocab_size"}
+
+
+def checkpoint_problems(model) -> list[tuple[str, str]]:
+    """An existing ``model.checkpoint`` folder not of r3rl's making (a downloaded model, an SFT run's export) whose
+    config.json disagrees with the ``model`` config's shape. A folder r3rl generated is regenerated on a change of
+    shape, and a missing one is reported when the run prepares it (GPU clusters mount it later)."""
+    import json
+    from pathlib import Path
+
+    from r3rl.models.tiny_moe import MARKER
+
+    folder = Path(model.checkpoint)
+    config = folder / "config.json"
+    if not config.is_file() or (model.generate_if_missing and (folder / MARKER).is_file()):
+        return []
+    try:
+        hf = json.loads(config.read_text())
+    except (OSError, ValueError) as err:
+        return [("model.checkpoint", f"{config}: not readable as JSON ({err})")]
+    wrong = [f"{hf_key}={hf[hf_key]} but model.{key}={getattr(model, key)}" for key, hf_key in _HF_SHAPE.items()
+             if hf_key in hf and hf[hf_key] != getattr(model, key)]
+    if wrong:
+        return [("model.checkpoint", f"{config} is not a model={model.name}: {'; '.join(wrong)} (choose the model "
+                                     "config of that checkpoint, or another checkpoint)")]
+    return []
+
+
+def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """GPUs whose estimated bytes (``r3rl.memory``) exceed ``parallelism.gpu_memory_gib``, with the keys to change."""
+    from r3rl import memory
+    from r3rl.config.modes import resolve_dtype
+
+    device = cfg.parallelism.device
+    plan = memory.estimate(cfg, resolve_dtype(cfg.trainer.params_dtype, device),
+                           resolve_dtype(cfg.rollout.engine.dtype, device))
+    problems = []
+    if not memory.engine_weights_fit(cfg, plan):
+        problems.append((memory.engine_memory_share_key(cfg),
+                         f"{memory.engine_memory_share(cfg)} of {cfg.parallelism.gpu_memory_gib} GiB does "
+                         f"not hold the engine's weights; raise it or the engines' tensor_parallel"))
+    for gpu in plan.over_budget():
+        parts = ", ".join(f"{role} {p.name} {p.bytes / memory.GIB:.1f}" for role, p in gpu.parts if p.bytes)
+        problems.append(("parallelism.gpu_memory_gib",
+                         f"out of GPU memory: a {gpu.gpu} GPU needs ~{gpu.total / memory.GIB:.1f} GiB, over the "
+                         f"{cfg.parallelism.gpu_memory_gib} GiB budget ({parts} GiB); change "
+                         + "; ".join(memory.fixes(cfg))))
+    for host in plan.hosts_over_budget():
+        parts = ", ".join(f"{role} {p.name} {p.bytes / memory.GIB:.1f}" for role, p in host.parts if p.bytes)
+        problems.append(("parallelism.host_memory_gib",
+                         f"out of host memory: node {host.node} needs ~{host.total / memory.GIB:.1f} GiB "
+                         f"({host.pinned / memory.GIB:.1f} pinned, {host.pageable / memory.GIB:.1f} pageable), over "
+                         f"the {cfg.parallelism.host_memory_gib} GiB budget per node ({parts} GiB); change "
+                         + "; ".join(memory.host_fixes(cfg))))
+    return problems
