@@ -24,14 +24,22 @@ KEY_METRICS: tuple[str, ...] = (
     M.GRAD_NORM, M.PERF_STEP_TIME, M.PERF_TOKENS_PER_S, M.SFT_LOSS, M.SFT_GRAD_NORM, M.SFT_TOKENS_PER_S,
 )
 REPLAY_RATIO = "logprob_abs_diff replay / no replay"
+# multi-turn runs: the episode counters, and the mismatch of each turn with and without replay
+EPISODE_METRICS: tuple[str, ...] = (M.TURNS_MEAN, M.TOOL_CALLS_MEAN, M.TOOL_ERRORS, M.CONTEXT_TRUNCATED,
+                                    M.EPISODES_MASKED)
+_TURN_KEY = re.compile(r"train/logprob_abs_diff(_no_replay)?/turn_\d+")
 # the eval figures of every set a run logged (eval/<set>/avg@k, pass@k, truncated_share), after the key metrics
 _EVAL_KEY = re.compile(r"eval/.+/((avg|pass)@\d+|truncated_share)")
 
 
 def key_metrics(history: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
-    """``KEY_METRICS`` and the eval figures present in ``history``."""
-    evals = sorted({k for row in history for k in row if _EVAL_KEY.fullmatch(k)})
-    return (*KEY_METRICS, *evals)
+    """``KEY_METRICS``, the episode figures of a multi-turn run (per turn: replayed, then unreplayed) and the eval
+    figures present in ``history``."""
+    present = {k for row in history for k in row}
+    turns = sorted((k for k in present if _TURN_KEY.fullmatch(k)),
+                   key=lambda k: (int(k.rsplit("_", 1)[1]), "no_replay" in k))
+    evals = sorted(k for k in present if _EVAL_KEY.fullmatch(k))
+    return (*KEY_METRICS, *(k for k in EPISODE_METRICS if k in present), *turns, *evals)
 
 
 def _fmt(x: float) -> str:

@@ -66,3 +66,20 @@ def test_the_summary_carries_dapos_generation_rounds_and_the_staleness():
     out = summarize([{"_step": 1, M.GENERATION_ROUNDS: 2.0, M.STALENESS_MEAN: 1.0},
                      {"_step": 2, M.GENERATION_ROUNDS: 4.0, M.STALENESS_MEAN: 1.0}])
     assert out[M.GENERATION_ROUNDS]["mean"] == 3.0 and out[M.STALENESS_MEAN]["max"] == 1.0
+
+
+def test_a_multi_turn_runs_summary_shows_each_turns_mismatch_with_and_without_replay():
+    """Fails if the end-of-run table left out a multi-turn run's per-turn figures or episode counters (the summary
+    of ``python run.py env=calculator`` must show them), or listed turn 10 before turn 2."""
+    from r3rl.tracking.summary import key_metrics, summarize
+
+    history = [{"train/logprob_abs_diff/turn_10": 0.3, "train/logprob_abs_diff/turn_2": 0.2,
+                "train/logprob_abs_diff_no_replay/turn_2": 0.25, "train/logprob_abs_diff/turn_1": 0.1,
+                "rollout/turns_mean": 1.5, "rollout/tool_errors": 0.0}]
+    keys = key_metrics(history)
+    turns = [k for k in keys if "/turn_" in k]
+    assert turns == ["train/logprob_abs_diff/turn_1", "train/logprob_abs_diff/turn_2",
+                     "train/logprob_abs_diff_no_replay/turn_2", "train/logprob_abs_diff/turn_10"]
+    assert {"rollout/turns_mean", "rollout/tool_errors"} <= set(keys)
+    assert summarize(history)["train/logprob_abs_diff/turn_2"]["mean"] == 0.2
+    assert not [k for k in key_metrics([{"train/logprob_abs_diff": 0.1}]) if "turn" in k]  # single turn: none
