@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,9 +22,8 @@ from r3rl.eval.records import record_path
 from r3rl.tracking.offline_reader import read_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runs import recipe_run  # noqa: E402
 from learning_curve import eval_keys, summarise  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 # the warm model without the tool: single requests with the calculator run's turn budget, scored at step 0 (the one
 # training step the recipe needs to run is not read)
 NO_TOOL = ("env.environment=null", "env.max_turns=1", "env.max_tokens_per_turn=null", "rollout.sampling.max_tokens=24",
@@ -33,13 +31,7 @@ NO_TOOL = ("env.environment=null", "env.max_turns=1", "env.max_tokens_per_turn=n
 
 
 def run(folder: Path, overrides: list[str], reuse: bool) -> Path:
-    if reuse and (folder / "wandb").is_dir():
-        print(f"== reusing {folder}", flush=True)
-        return folder
-    cmd = [sys.executable, "run.py", "env=calculator", f"run.output_dir={folder}", *overrides]
-    print(f"== {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
-    return folder
+    return recipe_run(folder, ["env=calculator", *overrides], label=folder.name, reuse=reuse)
 
 
 def first_point(folder: Path) -> tuple[str, int, float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,8 @@ import numpy as np
 
 from r3rl import metrics as M
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runs import recipe_run  # noqa: E402
 # 16 prompts x 8 episodes a step, one optimizer step, no eval: the mismatch of a batch is what is measured
 RUN = ("env=reflect", "algorithm.rollout_batch_size=16", "algorithm.n_samples_per_prompt=8",
        "algorithm.global_batch_size=128", "run.eval_every=0", "run.resume=false")
@@ -29,14 +29,8 @@ RULES = (("stitching rule", ()), ("wrong stitching", ("debug.wrong_stitching=tru
 
 
 def run(out: Path, name: str, overrides: tuple[str, ...], steps: int, extra: list[str], reuse: bool) -> Path:
-    folder = out / name.replace(" ", "_")
-    if reuse and (folder / "wandb").is_dir():
-        print(f"== {name}: reusing {folder}", flush=True)
-        return folder
-    cmd = [sys.executable, "run.py", f"run.output_dir={folder}", f"run.num_steps={steps}", *RUN, *overrides, *extra]
-    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
-    return folder
+    return recipe_run(out / name.replace(" ", "_"), [f"run.num_steps={steps}", *RUN, *overrides, *extra],
+                      label=name, reuse=reuse)
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:

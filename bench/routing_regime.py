@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from r3rl.tracking.summary import REPLAY_RATIO, replay_removes, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+from bench_runs import recipe_run  # noqa: E402
 from readme_figures import _pm, write_block  # noqa: E402
 
 # (name, overrides): every point names its shape whole, so the table reads the same whatever the default is. The
@@ -69,14 +69,8 @@ def slug(name: str) -> str:
 
 
 def run_point(out: Path, name: str, overrides: tuple[str, ...], steps: int, extra: list[str], reuse: bool) -> Path:
-    folder = out / slug(name)
-    if reuse and (folder / "wandb").is_dir():
-        print(f"== {name}: reusing {folder}", flush=True)
-        return folder
-    cmd = [sys.executable, "run.py", f"run.output_dir={folder}", f"run.num_steps={steps}", *SWEEP, *overrides, *extra]
-    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
-    return folder
+    return recipe_run(out / slug(name), [f"run.num_steps={steps}", *SWEEP, *overrides, *extra], label=name,
+                      reuse=reuse)
 
 
 def figures(history: list[dict]) -> dict[str, float]:
