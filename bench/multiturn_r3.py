@@ -25,7 +25,8 @@ from bench_runs import recipe_run  # noqa: E402
 # 16 prompts x 8 episodes a step, one optimizer step, no eval: the mismatch of a batch is what is measured
 RUN = ("env=reflect", "algorithm.rollout_batch_size=16", "algorithm.n_samples_per_prompt=8",
        "algorithm.global_batch_size=128", "run.eval_every=0", "run.resume=false")
-RULES = (("stitching rule", ()), ("wrong stitching", ("debug.wrong_stitching=true",)))
+RULES = (("stitching rule", ()), ("wrong stitching", ("debug.wrong_stitching=true",)),
+         ("no prefix omission", ("env.route_prefix_omission=false",)))
 
 
 def run(out: Path, name: str, overrides: tuple[str, ...], steps: int, extra: list[str], reuse: bool) -> Path:
@@ -77,15 +78,26 @@ def main() -> None:
     print(f"\nper-turn train/logprob_abs_diff, {args.steps} steps of {' '.join(RUN)} (mean ± se over steps)")
     print("| rule | turn | replayed | unreplayed | replayed / unreplayed |")
     print("|---|---|---|---|---|")
-    for name, (turns, _) in results.items():
+    for name, (turns, _) in list(results.items())[:2]:
         for t, f in turns.items():
             print(f"| {name} | {t} | {pm(f['replayed'])} | {pm(f['unreplayed'])} | {pm(f['ratio'], '.2f')} |")
     _, history = results["stitching rule"]
+    _, without = results["no prefix omission"]
     got = mean_se([r.get(M.ROUTE_BYTES_PER_EPISODE) for r in history])
-    full = mean_se([r.get(M.ROUTE_BYTES_PER_EPISODE_FULL) for r in history])
+    full = mean_se([r.get(M.ROUTE_BYTES_PER_EPISODE) for r in without])
     turns_mean = mean_se([r.get(M.TURNS_MEAN) for r in history])
-    print(f"\nroute bytes per episode: {got[0]:.0f} with routed_experts_prompt_start, {full[0]:.0f} asking for the "
-          f"whole context every turn ({got[0] / full[0]:.2f}x); {turns_mean[0]:.2f} turns per episode")
+    print(f"\nroute bytes received per episode: {got[0]:.0f} with routed_experts_prompt_start, {full[0]:.0f} "
+          f"without ({got[0] / full[0]:.2f}x); {turns_mean[0]:.2f} turns per episode")
+
+    def requests_per_s(rows: list[dict]) -> list[float]:
+        """Requests per second of a step's rollout stage: its episodes' turns over the stage's time."""
+        batch = int(RUN[1].split("=")[1]) * int(RUN[2].split("=")[1])
+        return [batch * r[M.TURNS_MEAN] / r[M.perf_time_key("rollout")] for r in rows
+                if r.get(M.perf_time_key("rollout")) and M.TURNS_MEAN in r and r["_step"] >= 2]  # step 1 warms up
+
+    a, b = mean_se(requests_per_s(history)), mean_se(requests_per_s(without))
+    print(f"rollout requests per second, with / without prefix omission: {a[0] / b[0]:.2f} (steps 2 on; same "
+          f"invocation, runs one after the other)")
 
     def later(name: str) -> float:
         turns = results[name][0]

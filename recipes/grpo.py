@@ -31,7 +31,7 @@ from r3rl.env import build_environment, multi_turn
 from r3rl.env.episodes import EpisodePrompt, EpisodeRunner, EpisodeSettings
 from r3rl.env.stitch import shift_turn_rows
 from r3rl.rollout.client import RolloutClient
-from r3rl.rollout.engine import EngineError
+from r3rl.rollout.engine import EngineError, route_store_failure
 from r3rl.rollout.store import save_rollout
 from r3rl.sample import Sample, SampleStatus
 from r3rl.train import correction, dapo, staleness
@@ -102,6 +102,8 @@ class GRPORecipe(common.Recipe):
                         first = (str(err).splitlines() or [""])[0]
                         raise EngineError(f"step {step}: engine(s) {', '.join(dead)} went down "
                                           f"({type(err).__name__}: {first}); this step was not saved") from err
+                    if isinstance(err, EngineError) and (store := route_store_failure(self.run_dir / "logs")):
+                        raise EngineError(f"step {step}: {store}; this step was not saved") from err
                     raise
                 bar.advance(task)
                 if step % cfg.run.save_every == 0 or step == cfg.run.num_steps or self.stop:

@@ -151,6 +151,8 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
         argv.append("--enable-expert-parallel")
     if ro.routing_replay:
         argv.append("--enable-return-routed-experts")
+        if eng.route_store_bytes is not None:  # routes of prefix-cached blocks, kept by block hash
+            argv += ["--aux-output-config", json.dumps({"max_bytes": eng.route_store_bytes}, separators=(",", ":"))]
     argv.append("--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching")
     argv.append("--async-scheduling" if eng.async_scheduling else "--no-async-scheduling")
     if eng.max_num_seqs is not None:

@@ -111,6 +111,8 @@ class EngineConfig(Frozen):
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
     cpu_threads: Optional[int] = None
+    # vLLM's route store (--aux-output-config max_bytes; None: its default, from the KV cache's size)
+    route_store_bytes: Optional[int] = None
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -228,6 +230,9 @@ class EnvConfig(Frozen):
     observation_template: str = "{observation}"
     # response tokens per policy turn (None: rollout.sampling.max_tokens)
     max_tokens_per_turn: Optional[int] = None
+    # ask each turn only for the route rows the episode lacks (vLLM's routed_experts_prompt_start); False: the whole
+    # context's every turn, the rows held kept as they are (for measuring what the omission saves)
+    route_prefix_omission: bool = True
     # run.name's suffix for this environment
     run_name_suffix: str = ""
 

@@ -43,13 +43,14 @@ class EpisodeSettings:
     tool_timeout_s: float
     observation_template: str
     max_tokens_per_turn: int | None = None  # None: the sampling config's max_tokens
+    route_prefix_omission: bool = True  # False: every turn asks for the whole context's routes
 
     @classmethod
     def of(cls, cfg) -> EpisodeSettings:
         """From a validated run config: its ``env`` keys, the context budget defaulting to the engine's."""
         env = cfg.env
         return cls(env.max_turns, env.max_context_tokens or cfg.rollout.engine.max_model_len, env.tool_timeout_s,
-                   env.observation_template, env.max_tokens_per_turn)
+                   env.observation_template, env.max_tokens_per_turn, env.route_prefix_omission)
 
 
 @dataclass(frozen=True)
@@ -113,11 +114,11 @@ class EpisodeRunner:
         calls = errors = observed = 0
         truncated = False
         reward = None
-        rows_full = 0
+        rows_full = received = 0
         masked = ""
         for t in range(1, cfg.max_turns + 1):
             budget = min(cfg.max_tokens_per_turn or sampling.max_tokens, cfg.max_context_tokens - len(context))
-            start = route_start(held)
+            start = route_start(held) if cfg.route_prefix_omission else 0
             seed = sample_seed(sampling.seed, step, index) + t * _TURN_SEED_STRIDE
             sample, failure = None, ""
             for attempt in range(2):  # a turn the engine aborted, or sent without all its routes, goes once more
@@ -139,7 +140,11 @@ class EpisodeRunner:
                                       "needs at least one complete turn", url=url)
                 masked = failure
                 break
-            record = TurnRecord(context_len=len(context), routes_from=start, sample=sample)
+            if sample.routed_experts is not None:
+                received += len(sample.routed_experts)
+                # rows asked for again (no prefix omission): the held ones stay as their turn returned them
+                sample.routed_experts = sample.routed_experts[held - start:]
+            record = TurnRecord(context_len=len(context), routes_from=held, sample=sample)
             turns.append(record)
             rows_full += len(context) + sample.response_length - 1
             held = len(context) + sample.response_length - 1
@@ -161,8 +166,7 @@ class EpisodeRunner:
             observed += len(obs)
         stats = EpisodeStats(turns=len(turns), tool_calls=calls, tool_errors=errors, observation_tokens=observed,
                              context_truncated=truncated,
-                             route_rows_received=sum(len(r.sample.routed_experts) for r in turns
-                                                     if r.sample.routed_experts is not None),
+                             route_rows_received=received,
                              route_rows_full=rows_full, masked=masked)
         if masked:  # its last complete turn kept an observation no turn answered
             turns[-1].observation_ids = np.zeros(0, np.int32)

@@ -66,6 +66,23 @@ def _tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+# what vLLM's route store raises when it cannot keep the routes of the blocks a batch or a prefix-cache hit needs;
+# the engine core dies with it and every later request answers HTTP 500 without the reason
+_ROUTE_STORE_ERROR = "BlockObjectStoreError: "
+
+
+def route_store_failure(log_dir: Path) -> str | None:
+    """The reason an engine in ``log_dir`` (its ``engine*.log`` files) died of a full route store, with the key that
+    sizes it, or None."""
+    for log in sorted(Path(log_dir).glob("engine*.log")):
+        for line in _tail(log, 400).splitlines():
+            if _ROUTE_STORE_ERROR in line:
+                reason = line.split(_ROUTE_STORE_ERROR, 1)[1].strip()
+                return (f"{log.name}: vLLM's route store failed ({reason}); raise rollout.engine.route_store_bytes "
+                        "(vLLM's aux_output_config.max_bytes), or shorten env.max_context_tokens")
+    return None
+
+
 def _port_answers(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):

@@ -43,10 +43,11 @@ class Relay(Environment):
         return _Episode()
 
 
-def run_episodes(client, tokenizer, *, max_context: int, turns: int = 3, n: int = 2):
+def run_episodes(client, tokenizer, *, max_context: int, turns: int = 3, n: int = 2, omission: bool = True):
     runner = EpisodeRunner(client, Relay(turns), tokenizer,
                            EpisodeSettings(max_turns=turns, max_context_tokens=max_context, tool_timeout_s=10.0,
-                                           observation_template="\n<|im_start|>user\n{observation}<|im_end|>\n"),
+                                           observation_template="\n<|im_start|>user\n{observation}<|im_end|>\n",
+                                           route_prefix_omission=omission),
                            stop_token_ids=[tokenizer.eos_token_id])
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=10, seed=11)
     prompts = [EpisodePrompt(p, "", None) for p in PROMPTS]
@@ -85,6 +86,20 @@ def test_stitched_episode_equals_transformers_on_every_row_and_policy_token(r3_c
         wrong = np.sort(shift_turn_rows(s.routed_experts, turn_of, len(s.prompt_ids)).astype(np.int64), axis=-1)
         later = len(s.prompt_ids) + int((turn_of == 1).sum())
         assert np.all(wrong[later:] == sets[later:len(wrong)], axis=-1).mean() < 0.8
+
+
+def test_without_prefix_omission_the_same_rows_come_at_full_cost(r3_client_factory, tokenizer):
+    """``env.route_prefix_omission=false`` asks every turn for the whole context's routes and keeps the rows held:
+    the same episodes (same seeds), the same routes, every row sent again. Fails if the held rows were replaced by a
+    later turn's (verl #6054's overwrite) or the byte counters swapped."""
+    client = r3_client_factory()
+    cut = run_episodes(client, tokenizer, max_context=512, n=1)
+    full = run_episodes(client, tokenizer, max_context=512, n=1, omission=False)
+    for a, b in zip(cut, full):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+        info = b.extra["episode"]
+        assert info.route_rows_received == info.route_rows_full > a.extra["episode"].route_rows_received
 
 
 def test_context_budget_ends_an_episode_as_truncated(r3_client_factory, tokenizer):
