@@ -96,8 +96,10 @@ def main() -> None:
                 if r.get(M.perf_time_key("rollout")) and M.TURNS_MEAN in r and r["_step"] >= 2]  # step 1 warms up
 
     a, b = mean_se(requests_per_s(history)), mean_se(requests_per_s(without))
-    print(f"rollout requests per second, with / without prefix omission: {a[0] / b[0]:.2f} (steps 2 on; same "
-          f"invocation, runs one after the other)")
+    ratio = a[0] / b[0]
+    ratio_se = ratio * math.hypot(a[1] / a[0], b[1] / b[0])  # the two runs' step-to-step errors, independent
+    print(f"rollout requests per second, with / without prefix omission: {ratio:.2f} ± {ratio_se:.2f} (steps 2 on; "
+          f"same invocation, runs one after the other)")
 
     def later(name: str) -> float:
         turns = results[name][0]

@@ -122,7 +122,7 @@ class EpisodeRunner:
             seed = sample_seed(sampling.seed, step, index) + t * _TURN_SEED_STRIDE
             sample, failure = None, ""
             for attempt in range(2):  # a turn the engine aborted, or sent without all its routes, goes once more
-                rid = f"r3rl-{self.client._nonce}-s{step}-{index}-t{t}-a{attempt}"
+                rid = self.client.request_id(f"s{step}-{index}-t{t}-a{attempt}")
                 try:
                     sample = await self.client.turn(
                         sessions, url, context, sampling, seed=seed, index=index, group=group, request_id=rid,

@@ -133,7 +133,7 @@ class RolloutClient:
                     return []
                 assert self._running is not None
                 await self._running.wait()
-                rid = f"r3rl-{self._nonce}-s{step}-{first}{f'x{count}' if count > 1 else ''}-a{attempt}"
+                rid = self.request_id(f"s{step}-{first}{f'x{count}' if count > 1 else ''}-a{attempt}")
                 body = request_body(rid, prompt, sampling, sample_seed(sampling.seed, step, first), stop_token_ids,
                                     None if max_tokens is None else max_tokens[group], n=count)
                 async with gates[url]:
@@ -163,6 +163,10 @@ class RolloutClient:
         finally:
             bar.close()
             await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
+
+    def request_id(self, name: str) -> str:
+        """A request id unique among everything in flight on the servers: this client's nonce and ``name``."""
+        return f"r3rl-{self._nonce}-{name}"
 
     # -- one request of a multi-turn episode (r3rl.env.episodes drives the turns) ---------------------------------
     def sessions(self) -> dict[str, aiohttp.ClientSession]:

@@ -10,9 +10,10 @@ from .conftest import run_recipe, wandb_runs
 
 pytestmark = pytest.mark.integration
 
-# the warm start the run needs to call the tool at all, shortened (a larger tool share so 16 episodes hold calls)
+# the warm start the run needs to call the tool at all, shortened (a larger tool share so 16 episodes hold calls);
+# one step off-policy: episodes generated ahead in the producer thread, every turn of one under one weight version
 CALCULATOR = ("env=calculator", "warm_start.enabled=true", "warm_start.num_steps=150", "warm_start.tool_share=0.6",
-              "run.eval_every=2")
+              "run.eval_every=2", "algorithm.max_staleness=1", "correction=tis")
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +30,14 @@ def calculator_run(tmp_path_factory, tiny_model_dir):
 def test_episodes_train_with_replay_and_resume_without_losing_a_step(calculator_run):
     """Fails if the recipe ran single requests under env=calculator (no turn > 1, no tool call), if a turn's routes
     were not replayed exactly (``r3/replay_mismatch_rows`` > 0), if the per-turn figures were missing or mixed
-    observation tokens in, if later turns asked for the whole context's routes again, or if the resume repeated or
-    skipped a step."""
+    observation tokens in, if later turns asked for the whole context's routes again, if the resume repeated or
+    skipped a step, or if episodes generated ahead (max_staleness=1) mixed weight versions (``r3rl.env.stitch``
+    refuses such an episode, which would end the run)."""
     rows, summary = calculator_run
     steps = [row for row in rows if "train/logprob_abs_diff" in row]
     assert sorted(int(r["train/step"]) for r in steps) == [1, 2, 3]
     assert all(r["r3/replay_mismatch_rows"] == 0 for r in steps)
+    assert [r["rollout/staleness_max"] for r in sorted(steps, key=lambda r: r["_step"])][1] == 1  # one step behind
     assert max(r["rollout/turns_mean"] for r in steps) > 1.0 and max(r["rollout/tool_calls_mean"] for r in steps) > 0
     for r in steps:
         assert "train/logprob_abs_diff/turn_1" in r and "train/logprob_abs_diff_no_replay/turn_1" in r

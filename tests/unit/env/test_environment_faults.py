@@ -57,7 +57,8 @@ def test_a_failing_tool_becomes_an_error_observation(mode, said):
 
 def test_env_configs_are_checked_before_launch(compose_cfg):
     """Fails if a multi-turn setting without an environment, a context budget beyond the engine's, or an
-    environment that cannot be built got past the config check or the preflight."""
+    environment that cannot be built, or a route store sized for an engine that returns no routes, got past the
+    config check or the preflight."""
     with pytest.raises(ValueError, match="env.max_turns"):
         compose_cfg("model=tiny_moe", "parallelism=cpu", "env.max_turns=3")
     with pytest.raises(ValueError, match="env.max_context_tokens"):
@@ -67,5 +68,7 @@ def test_env_configs_are_checked_before_launch(compose_cfg):
     with pytest.raises(ValueError, match="env.environment: cannot build 'r3rl.env.calculator.NoSuchEnv'"):
         compose_cfg("model=tiny_moe", "parallelism=cpu", "env=calculator",
                     "env.environment._target_=r3rl.env.calculator.NoSuchEnv")
+    with pytest.raises(ValueError, match="rollout.engine.route_store_bytes"):
+        compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout=vllm", "rollout.engine.route_store_bytes=4096")
     ok = compose_cfg("model=tiny_moe", "parallelism=cpu", "env=calculator", "env.environment.max_digits=12")
     assert build_environment(ok.env).max_digits == 12
