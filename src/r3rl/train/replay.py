@@ -179,28 +179,33 @@ def row_origins(mb: MicroBatch, layout: TokenLayout, route_rows: Sequence[int]) 
 
 
 class _Expected:
-    """One micro batch's rollout routes per router row, read from the samples through ``row_origins``.
+    """One micro batch's rollout routes per router row, read from the samples through ``row_origins``, built once per
+    micro batch and copied to the device once (every router call of the forward reads its layer from there).
 
     ``response`` / ``prompt`` (bool per row of ``rows``): the row scores a response token (position >= P-1) or is a
     prompt row, of a real sample; both False on a padding slot (``valid[b]`` False: a repeat of a real sample)."""
 
     def __init__(self, mb: MicroBatch, layout: TokenLayout, routes: Sequence[np.ndarray],
                  valid: Sequence[bool] | None = None):
-        self.slot_routes = [routes[i] for i in mb.indices]
-        slot, pos = row_origins(mb, layout, [len(r) for r in self.slot_routes])
+        slot_routes = [routes[i] for i in mb.indices]
+        slot, pos = row_origins(mb, layout, [len(r) for r in slot_routes])
         self.rows = np.flatnonzero(slot >= 0)
-        offsets = np.concatenate([[0], np.cumsum([len(r) for r in self.slot_routes])[:-1]]).astype(np.int64)
-        self._source = offsets[slot[self.rows]] + pos[self.rows]
+        offsets = np.concatenate([[0], np.cumsum([len(r) for r in slot_routes])[:-1]]).astype(np.int64)
+        # every layer's rollout experts of those rows, [rows, L, K], still narrow
+        self.routes = np.concatenate(slot_routes)[offsets[slot[self.rows]] + pos[self.rows]]
         real = np.ones(len(mb.indices), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
         first_scored = np.asarray([start for start, _ in mb.spans], dtype=np.int64)
         row_slot, row_pos = slot[self.rows], pos[self.rows]
         self.response = real[row_slot] & (row_pos >= first_scored[row_slot])
         self.prompt = real[row_slot] & (row_pos < first_scored[row_slot])
+        self._on: tuple | None = None
 
-    def layer(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows that hold a rollout route and, per such row, the rollout's ``[K]`` experts at this layer."""
-        column = np.concatenate([r[:, layer] for r in self.slot_routes])[self._source].astype(np.int64)
-        return torch.from_numpy(self.rows).to(device), torch.from_numpy(column).to(device)
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, routes ``[rows, L, K]`` widened, response mask) on ``device``: copied at the first router call."""
+        if self._on is None or self._on[0].device != device:
+            self._on = (torch.from_numpy(self.rows).to(device), torch.from_numpy(self.routes).to(device).long(),
+                        torch.from_numpy(self.response).to(device), torch.from_numpy(self.prompt).to(device))
+        return self._on
 
 
 class RouteProbe:
@@ -212,11 +217,20 @@ class RouteProbe:
     - under replay, with the routing map Megatron actually used: proof the rollout's routes were replayed at the
       right token and layer. Rows are mapped back through ``row_origins``, independently of the packed replay
       targets, so a route packed one row off or handed to the wrong layer shows as a mismatch.
-    """
+
+    Nothing is read back to the host per router call: the counts that depend on the forward accumulate on the
+    device, and ``counts`` reads them once, after the pass (48 layers x ~200 forwards a step would otherwise each
+    wait for the device)."""
+
+    # the counts accumulated on the device, in ProbeCounts' field names
+    _ON_DEVICE = ("flips", "prompt_flips", "replay_mismatches", "margin_sum", "small_margins", "expert_load")
 
     def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray]):
         self.routers = routers
-        self.counts = ProbeCounts.zeros(num_layers, routers[0].config.num_moe_experts)
+        self.num_layers = num_layers
+        self.num_experts = routers[0].config.num_moe_experts
+        self._host = ProbeCounts.zeros(num_layers, self.num_experts)  # what the rows alone decide
+        self._device: dict[str, torch.Tensor] | None = None
         self.layout = layout
         self.routes = routes
         self._expected: _Expected | None = None
@@ -228,38 +242,56 @@ class RouteProbe:
         self._expected = _Expected(mb, self.layout, self.routes, valid) if mb is not None else None
         self._replaying = replaying
 
+    @property
+    def counts(self) -> ProbeCounts:
+        """The pass's counts: the device's accumulators read back once, beside the row counts kept on the host."""
+        out = ProbeCounts(*(np.array(getattr(self._host, f.name)) for f in dataclasses.fields(ProbeCounts)))
+        if self._device is not None:  # one copy: every accumulator in one float64 vector (exact below 2^53)
+            flat = torch.cat([t.double().flatten() for t in self._device.values()]).cpu().numpy()
+            offset = 0
+            for name in self._ON_DEVICE:
+                like = getattr(out, name)
+                part = flat[offset:offset + like.size].reshape(like.shape)
+                offset += like.size
+                setattr(out, name, like + (np.round(part).astype(like.dtype) if like.dtype == np.int64 else part))
+        return out
+
+    def _accumulators(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if self._device is None:
+            self._device = {name: torch.zeros_like(torch.from_numpy(getattr(self._host, name)), device=device)
+                            for name in self._ON_DEVICE}
+        return self._device
+
     def _hook(self, router, args, output) -> None:
-        if self._expected is None:
+        exp = self._expected
+        if exp is None:
             return
         layer = router.layer_number - 1
         hidden = args[0]
         with torch.no_grad():
-            experts = router.config.num_moe_experts
+            experts, k = self.num_experts, router.topk
             logits = router.gating(hidden).view(-1, experts)
-            rows, rollout = self._expected.layer(layer, logits.device)
+            acc = self._accumulators(logits.device)
+            rows, routes, response, prompt = exp.on(logits.device)
+            rollout = routes[:, layer]
             # the top k+1 logits carry the router's own top-k and its margin (k-th minus (k+1)-th logit)
-            top = torch.topk(logits[rows].float(), min(router.topk + 1, experts), dim=-1)
-            own = top.indices[:, :router.topk]
-            # one copy to the host per router call: the flips, the top logits and the router's own choice
-            host = torch.cat([(~_same_sets(own, rollout)).float()[:, None], top.values, own.float()], dim=1)
-            host = host.cpu().numpy()
-            n = top.values.shape[1]
-            flipped, values, chosen = host[:, 0] > 0, host[:, 1:1 + n], host[:, 1 + n:].astype(np.int64)
-            response, prompt = self._expected.response, self._expected.prompt
-            self.counts.routed_rows[layer] += int(response.sum())
-            self.counts.flips[layer] += int((flipped & response).sum())
-            self.counts.prompt_rows[layer] += int(prompt.sum())
-            self.counts.prompt_flips[layer] += int((flipped & prompt).sum())
-            if experts > router.topk:
-                margins = M.router_margins(values, router.topk)[response]
-                self.counts.margin_sum[layer] += float(margins.sum())
-                self.counts.small_margins[layer] += int((margins < M.SMALL_ROUTER_MARGIN).sum())
-            self.counts.expert_load[layer] += np.bincount(chosen[response].ravel(), minlength=experts)
+            top = torch.topk(logits[rows].float(), min(k + 1, experts), dim=-1)
+            own = top.indices[:, :k]
+            flipped = ~_same_sets(own, rollout)
+            self._host.routed_rows[layer] += int(exp.response.sum())
+            self._host.prompt_rows[layer] += int(exp.prompt.sum())
+            acc["flips"][layer] += (flipped & response).sum()
+            acc["prompt_flips"][layer] += (flipped & prompt).sum()
+            if experts > k:  # metrics.router_margins' definition, in float64 as there
+                margins = (top.values[:, k - 1].double() - top.values[:, k].double())[response]
+                acc["margin_sum"][layer] += margins.sum()
+                acc["small_margins"][layer] += (margins < M.SMALL_ROUTER_MARGIN).sum()
+            acc["expert_load"][layer] += torch.bincount(own[response].flatten(), minlength=experts)
             if self._replaying:
-                used = output[1].view(-1, router.config.num_moe_experts)[rows].bool()
+                used = output[1].view(-1, experts)[rows].bool()
                 expected = torch.zeros_like(used).scatter(1, rollout, True)
-                self.counts.replay_rows[layer] += len(rows)
-                self.counts.replay_mismatches[layer] += int((used != expected).any(dim=-1).sum())
+                self._host.replay_rows[layer] += len(exp.rows)
+                acc["replay_mismatches"][layer] += (used != expected).any(dim=-1).sum()
 
     def __enter__(self) -> "RouteProbe":
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]

@@ -122,6 +122,30 @@ def test_router_margins_and_expert_load_come_from_the_routers_own_choice_on_resp
     assert ((live.small_margin_per_layer >= 0) & (live.small_margin_per_layer <= 1)).all()
 
 
+def test_probe_margins_equal_metrics_definition_on_the_same_router_logits(policy, hf_reference):
+    """The probe accumulates margins on the device (no host copy per router call); per layer its mean over the
+    response rows equals ``metrics.router_margins`` on transformers' router logits of the same float32 checkpoint,
+    and its small-margin share the share under ``SMALL_ROUTER_MARGIN``. Fails if the device-side margin took another
+    pair of logits than the k-th and (k+1)-th, summed prompt or padding rows, or lost rows between micro batches."""
+    import torch
+
+    m = policy.cfg.model
+    samples = build_samples(6, 5)
+    with_routes(samples, random_routes(samples, m.num_layers, m.moe_topk, m.num_experts, 5))
+    live = policy.logprobs(samples, replay=False)
+    margins = [[] for _ in range(m.num_layers)]
+    for s in samples:
+        with torch.no_grad():
+            out = hf_reference.model(torch.from_numpy(s.tokens.astype(np.int64))[None], output_router_logits=True)
+        p = len(s.prompt_ids)
+        for layer, logits in enumerate(out.router_logits):
+            margins[layer].append(M.router_margins(logits[p - 1:-1].numpy(), m.moe_topk))
+    for layer in range(m.num_layers):
+        ref = np.concatenate(margins[layer])
+        assert live.margin_per_layer[layer] == pytest.approx(ref.mean(), rel=1e-3, abs=1e-5), layer
+        assert live.small_margin_per_layer[layer] == pytest.approx((ref < M.SMALL_ROUTER_MARGIN).mean(), abs=0.02)
+
+
 def test_bad_routes_fail_naming_sample_and_layer(policy):
     samples = routed(policy, routes="random")
     good = [s.routed_experts for s in samples]
