@@ -125,4 +125,8 @@ def release_cached_memory() -> int:
 def _settle() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+        # blocks shared with the engines over CUDA IPC (the weight sync's packed chunks) stay reserved until their
+        # consumers' references are collected: the last chunk of a sync would otherwise still pin its block when the
+        # engines wake their KV cache
+        torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
