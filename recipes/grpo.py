@@ -321,9 +321,8 @@ class GRPORecipe(common.Recipe):
         else:
             samples = one_round(0)
         if self.episodes is not None:
-            spec = self.client.spec
             samples, episode_stats = mask_failed_episodes(
-                samples, spec.num_layers * spec.topk * spec.dtype.itemsize if self.client.routing_replay else 0)
+                samples, self.client.spec.row_bytes if self.client.routing_replay else 0)
             stats.update(episode_stats)
         if alg.overlong_buffer:
             penalty = dapo.overlong_penalty([s.response_length for s in samples], cfg.rollout.sampling.max_tokens,

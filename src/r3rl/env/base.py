@@ -1,7 +1,7 @@
 """The interface of a multi-turn environment: what a user writes to put tools in the loop.
 
-An ``Environment`` is built once per run from ``env._target_`` (Hydra's ``instantiate``, with the ``env.kwargs``
-mapping as keyword arguments). For every episode the episode loop calls ``start`` with the prompt's text and label,
+An ``Environment`` is built once per run from ``env.environment`` (Hydra's ``instantiate``: its ``_target_`` class,
+the node's other keys as keyword arguments). For every episode the episode loop calls ``start`` with the prompt's text and label,
 then, after each policy turn, the episode's ``step`` with the text of that turn. ``step`` answers with a ``Turn``:
 
 - ``observation``: text the policy sees next (a tool's output, an error); ``None`` ends the episode;
@@ -44,5 +44,5 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     def start(self, prompt: str, label: str | None) -> Episode:
-        """A new episode of ``prompt`` (the user's text, before the chat template) whose reference answer is
-        ``label``."""
+        """A new episode of ``prompt`` (the text the engine is sent: the chat-templated prompt where the data set
+        applies the template) whose reference answer is ``label``."""

@@ -25,7 +25,7 @@ import numpy as np
 from r3rl.config.schema import SamplingConfig
 from r3rl.env.base import Environment, Turn
 from r3rl.env.stitch import EpisodeStats, TurnRecord, episode_sample, route_start
-from r3rl.rollout.client import RolloutClient, rollout_bar
+from r3rl.rollout.client import RolloutClient, all_or_cancel, rollout_bar
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RoutedExpertsError
 from r3rl.rollout.wire import sample_seed
@@ -92,13 +92,7 @@ class EpisodeRunner:
                 bar.update(1)
                 return out
 
-            tasks = [asyncio.create_task(one(i)) for i in range(len(prompts) * n)]
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            return await all_or_cancel(one(i) for i in range(len(prompts) * n))
         finally:
             bar.close()
             tools.shutdown(wait=False, cancel_futures=True)
@@ -139,6 +133,9 @@ class EpisodeRunner:
                     raise EngineError(f"engine {url}: sample {index}, turn 1 failed twice ({failure}); an episode "
                                       "needs at least one complete turn", url=url)
                 masked = failure
+                # the observation its last complete turn kept was never answered: the episode ends before it
+                observed -= len(turns[-1].observation_ids)
+                turns[-1].observation_ids = np.zeros(0, np.int32)
                 break
             if sample.routed_experts is not None:
                 received += len(sample.routed_experts)
@@ -165,11 +162,8 @@ class EpisodeRunner:
             context += obs
             observed += len(obs)
         stats = EpisodeStats(turns=len(turns), tool_calls=calls, tool_errors=errors, observation_tokens=observed,
-                             context_truncated=truncated,
-                             route_rows_received=received,
-                             route_rows_full=rows_full, masked=masked)
-        if masked:  # its last complete turn kept an observation no turn answered
-            turns[-1].observation_ids = np.zeros(0, np.int32)
+                             context_truncated=truncated, route_rows_received=received, route_rows_full=rows_full,
+                             masked=masked)
         return episode_sample(turns, index=index, group=group, label=prompt.label, reward=reward, stats=stats)
 
     async def _step(self, episode, text: str, tools, *, index: int, turn: int) -> Turn:

@@ -43,7 +43,7 @@ _GREEDY_BELOW = 1e-5
 _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
 
 
-async def _all_or_cancel(coroutines) -> list:
+async def all_or_cancel(coroutines) -> list:
     """The coroutines' results, in order; the first exception cancels the others, and no task outlives the call."""
     tasks = [asyncio.create_task(c) for c in coroutines]
     try:
@@ -112,9 +112,7 @@ class RolloutClient:
         # aiohttp, not httpx, for the requests of a rollout: with 128 requests in flight httpx's connection pool
         # (a scan of every connection per request) and request building cost more CPU than the engine's decoding,
         # and the engine waited for its requests (bench/cpu_rollout.py: 1294 -> 2939 tokens/s with aiohttp)
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=30.0)
-        clients = {u: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=self.max_concurrency))
-                   for u in self.urls}
+        clients = self.sessions()
         # One request per prompt for its n samples (vLLM seeds sample j with seed + j, the seeds of one-sample
         # requests): 8x fewer requests than one per sample, whose handling in the API server and here kept the CPU
         # engine waiting (bench/cpu_rollout.py). A request holds at most max_concurrency samples.
@@ -153,24 +151,25 @@ class RolloutClient:
             aborted = [s.index - group * n for s in samples if s.status is SampleStatus.ABORTED]
             if not aborted or self.on_abort == "drop":
                 return kept
-            again = await _all_or_cancel(request(group, j, 1, attempt + 1) for j in aborted)
+            again = await all_or_cancel(request(group, j, 1, attempt + 1) for j in aborted)
             return kept + [s for batch in again for s in batch]
 
         try:
-            batches = await _all_or_cancel(request(p, start, min(chunk, n - start), 0)
+            batches = await all_or_cancel(request(p, start, min(chunk, n - start), 0)
                                            for p in range(len(prompts)) for start in range(0, n, chunk))
             return sorted((s for batch in batches for s in batch), key=lambda s: s.index)
         finally:
             bar.close()
             await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
 
+    # -- one request of a multi-turn episode (r3rl.env.episodes drives the turns) ---------------------------------
     def request_id(self, name: str) -> str:
         """A request id unique among everything in flight on the servers: this client's nonce and ``name``."""
         return f"r3rl-{self._nonce}-{name}"
 
-    # -- one request of a multi-turn episode (r3rl.env.episodes drives the turns) ---------------------------------
     def sessions(self) -> dict[str, aiohttp.ClientSession]:
-        """One HTTP session per engine for the requests of a batch of episodes; the caller closes them."""
+        """One HTTP session per engine for the requests of a rollout or a batch of episodes; the caller closes
+        them."""
         self._ensure_loop_state()
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=30.0)
         return {u: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=self.max_concurrency))
@@ -183,12 +182,8 @@ class RolloutClient:
         whose routes are the rows from ``routes_from`` on (``None`` when the engine aborted it before any token).
         Waits while the engines are paused; an aborted turn comes back with status ``ABORTED``."""
         assert self._running is not None
-        while True:
-            await self._running.wait()
-            body = request_body(request_id, context, sampling, seed, stop_token_ids, max_tokens,
-                                routes_from=routes_from)
-            if self._running.is_set():
-                break
+        await self._running.wait()  # never send into a paused engine
+        body = request_body(request_id, context, sampling, seed, stop_token_ids, max_tokens, routes_from=routes_from)
         raw = await self._post(sessions[url], url, body, f"sample {index}", request_id)
         parse = functools.partial(samples_from_body, raw, url=url, first_index=index, count=1, group=group,
                                   request_id=request_id, prompt=context,

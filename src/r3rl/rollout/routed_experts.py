@@ -58,6 +58,11 @@ class RouteSpec:
     def dtype(self) -> np.dtype:
         return routes_dtype(self.num_experts)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's routes on the wire: layers x top-k ids of ``dtype``."""
+        return self.num_layers * self.topk * self.dtype.itemsize
+
 
 _HEADER_PARSE_LOCK = threading.Lock()
 
