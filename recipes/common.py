@@ -101,7 +101,7 @@ class Recipe:
         with console.status("starting trainer ranks"):
             self.trainers = TrainerGroup(cfg, self.plan, loopback=self.cluster.started_here)
         if resume_from is not None:
-            self.trainers.call("load_checkpoint", resume_from / "trainer")
+            self.trainers.call("load_checkpoint", resume_from / checkpoint.TRAINER_DIR)
         if engines:
             with console.status(f"starting {len(self.plan.engines) or 1} vLLM engine(s)"):
                 self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
@@ -243,7 +243,9 @@ class Recipe:
         meta = checkpoint.CheckpointMeta(step=step, wandb_run_id=self.logger.run_id if self.logger else None,
                                          data_state=self.data_state(), weight_version=step,
                                          unlogged_metrics=self.unlogged)
-        return checkpoint.save(self.run_dir, meta, lambda d: self.trainers.call("save_checkpoint", d / "trainer", {}))
+        return checkpoint.save(self.run_dir, meta,
+                               lambda d: self.trainers.call("save_checkpoint", d / checkpoint.TRAINER_DIR, {}),
+                               keep=self.cfg.run.keep_checkpoints)
 
     def cleanup(self) -> None:
         if self.engine_set is not None:

@@ -16,6 +16,13 @@ from typing import Any, Callable
 
 META = "meta.json"
 LATEST = "latest"
+TRAINER_DIR = "trainer"  # the trainer ranks' state inside a checkpoint folder (r3rl.train.checkpoint)
+COMPLETE = "COMPLETE"  # written last into the trainer state: what saved it (JSON)
+TRAINER_FORMAT = "megatron_dist/1"  # Megatron-core's dist_checkpointing, torch_dist backend
+
+
+class CheckpointFormatError(ValueError):
+    """A trainer state this version cannot load (r3rl's older per-rank format, or an unknown one)."""
 
 
 @dataclass
@@ -79,6 +86,26 @@ def update_meta(folder: Path, meta: CheckpointMeta) -> None:
     tmp = Path(folder) / f".{META}.tmp"
     tmp.write_text(json.dumps(asdict(meta), indent=2))
     os.replace(tmp, Path(folder) / META)
+
+
+def read_complete(trainer_dir: str | Path) -> dict[str, Any]:
+    """What the trainer state's ``COMPLETE`` records (format, world size, layout, optimizer step). Raises
+    ``FileNotFoundError`` for an unfinished folder and ``CheckpointFormatError`` for another format, naming it."""
+    folder = Path(trainer_dir)
+    marker = folder / COMPLETE
+    if not marker.is_file():
+        raise FileNotFoundError(f"{folder}: not a complete trainer checkpoint (no {COMPLETE} marker)")
+    text = marker.read_text().strip()
+    if text.isdigit():
+        raise CheckpointFormatError(
+            f"{folder}: a checkpoint in r3rl's old per-rank format (one torch.save file per rank, saved by {text} "
+            f"ranks); this version reads Megatron's distributed format ({TRAINER_FORMAT}) only. Resume or export "
+            "it with the r3rl release that wrote it")
+    info = json.loads(text)
+    if info.get("format") != TRAINER_FORMAT:
+        raise CheckpointFormatError(f"{folder}: checkpoint format {info.get('format')!r}, this version reads "
+                                    f"{TRAINER_FORMAT}")
+    return info
 
 
 def _prune(root: Path, keep: int) -> None:

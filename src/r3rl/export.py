@@ -3,8 +3,8 @@
 The folder (safetensors, ``model.safetensors.index.json``, config, tokenizer, chat template) loads in
 ``transformers`` and vLLM, and ``model.checkpoint=DIR`` takes it for a new run. It is written the way the run
 itself writes weights: the run's resolved config (``<run>/.hydra/config.yaml``) starts the trainer ranks with the
-run's parallelism (Ray; logical GPUs on a CPU), every rank loads its own shard of checkpoint ``step_N`` (default: the
-latest), and every rank writes its own tensors bucket by bucket (``MegatronTrainer.export_hf``); rank 0 writes the
+run's parallelism (Ray; logical GPUs on a CPU), every rank loads its own shard of the weights of checkpoint ``step_N``
+(default: the latest; Megatron's distributed format, so the optimizer state is never read), and every rank writes its own tensors bucket by bucket (``MegatronTrainer.export_hf``); rank 0 writes the
 index, config and tokenizer files. No process ever holds the whole model. Everything started here is stopped by
 handle before the command returns.
 
@@ -23,8 +23,6 @@ from pathlib import Path
 from r3rl import checkpoint
 
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"
-TRAINER_DIR = "trainer"  # the trainer state inside a checkpoint folder (recipes/common.py: Recipe.save)
-COMPLETE = "COMPLETE"  # r3rl.train.checkpoint's marker (not imported here: that module pulls in torch)
 
 
 class ExportError(Exception):
@@ -49,7 +47,8 @@ def available_steps(run_dir: Path) -> list[int]:
     steps = []
     for folder in root.glob("step_*") if root.is_dir() else []:
         tail = folder.name.removeprefix("step_")
-        if tail.isdigit() and (folder / checkpoint.META).is_file() and (folder / TRAINER_DIR / COMPLETE).is_file():
+        complete = folder / checkpoint.TRAINER_DIR / checkpoint.COMPLETE
+        if tail.isdigit() and (folder / checkpoint.META).is_file() and complete.is_file():
             steps.append(int(tail))
     return sorted(steps)
 
@@ -106,13 +105,13 @@ def load_run_config(run_dir: Path):
         raise ExportError(f"{path} cannot be read as an r3rl config: {err}") from None
 
 
-def check_layout(source: Source, cfg) -> None:
-    """The checkpoint must be loaded by as many ranks as saved it (the run's own parallelism)."""
-    ranks = cfg.parallelism.trainer.num_gpus
-    saved = int((source.folder / TRAINER_DIR / COMPLETE).read_text().strip() or 0)
-    if saved != ranks:
-        raise ExportError(f"{source.folder} was saved by {saved} trainer ranks but the run's config "
-                          f"(parallelism={cfg.parallelism.name}) starts {ranks}")
+def check_format(source: Source) -> dict:
+    """The trainer state must be in the distributed format this version reads (any layout: the run's own
+    parallelism loads it, resharded where it differs)."""
+    try:
+        return checkpoint.read_complete(source.folder / checkpoint.TRAINER_DIR)
+    except checkpoint.CheckpointFormatError as err:
+        raise ExportError(str(err)) from None
 
 
 def export(cfg, source: Source, out: Path, console) -> Path:
@@ -150,7 +149,7 @@ def export(cfg, source: Source, out: Path, console) -> Path:
             trainers = TrainerGroup(cfg, plan, loopback=cluster.started_here)
             done("ranks")
             stage("load")
-            trainers.call("load_checkpoint", source.folder / TRAINER_DIR)
+            trainers.call("load_checkpoint", source.folder / checkpoint.TRAINER_DIR, optimizer=False)
             done("load")
             stage("write")
             written = Path(trainers.call("export_hf", out))
@@ -183,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = find_checkpoint(args.run, args.step)
         out = check_out(args.out)
         cfg = load_run_config(source.run_dir)
-        check_layout(source, cfg)
+        check_format(source)
         from r3rl.launch import check_machine
         from r3rl.platform import visible_gpu_count
 

@@ -16,7 +16,7 @@ def fake_checkpoint(run_dir: Path, step: int, *, latest: bool = True) -> Path:
     """A checkpoint folder as the recipe leaves it (meta.json, trainer/COMPLETE), without any tensor."""
     folder = checkpoint.checkpoint_root(run_dir) / checkpoint.step_dir_name(step)
     (folder / "trainer").mkdir(parents=True)
-    (folder / "trainer" / "COMPLETE").write_text("1")
+    (folder / "trainer" / "COMPLETE").write_text(json.dumps({"format": checkpoint.TRAINER_FORMAT, "world_size": 1}))
     (folder / checkpoint.META).write_text(json.dumps({"step": step}))
     if latest:
         (checkpoint.checkpoint_root(run_dir) / checkpoint.LATEST).write_text(folder.name + "\n")
@@ -103,10 +103,10 @@ def test_the_latest_checkpoint_is_the_default_step(tmp_path):
     assert find_checkpoint(run_dir, 6).folder == checkpoint.checkpoint_root(run_dir.resolve()) / "step_000006"
 
 
-def test_a_checkpoint_saved_by_another_number_of_ranks_is_refused(tmp_path, capsys, no_start):
-    """Fails if the run's config is not read back from ``.hydra/config.yaml`` (the export would not know the run's
-    parallelism), or if a checkpoint saved by another number of trainer ranks than that config starts gets past the
-    checks (every rank would fail to load it after Ray and the ranks started)."""
+def test_a_checkpoint_in_the_old_per_rank_format_is_refused_by_name(tmp_path, capsys, no_start):
+    """r3rl's earlier trainer state (one torch.save file per rank, COMPLETE holding the rank count) is refused before
+    anything starts, in one line naming the format change. Fails if ``check_format`` lets it through (every rank
+    would fail deep inside Megatron's loader after Ray and the ranks started)."""
     from omegaconf import OmegaConf
 
     from r3rl.config import compose
@@ -118,4 +118,4 @@ def test_a_checkpoint_saved_by_another_number_of_ranks_is_refused(tmp_path, caps
     cfg = compose(["parallelism=cpu", f"run.output_dir={run_dir}"])
     (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     err = refused(capsys, str(run_dir), "--out", str(tmp_path / "hf"))
-    assert "saved by 2 trainer ranks" in err and "parallelism=cpu" in err and "starts 1" in err
+    assert "old per-rank format" in err and "saved by 2 ranks" in err and checkpoint.TRAINER_FORMAT in err

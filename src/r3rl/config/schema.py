@@ -163,6 +163,7 @@ class TrainerConfig(Frozen):
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     precision_aware_optimizer: bool = False
+    checkpoint_sharding: str = "fully_reshardable"
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -346,6 +347,7 @@ class RunConfig(Frozen):
     output_dir: str = MISSING
     data_dir: str = MISSING
     save_every: int = 10
+    keep_checkpoints: int = 2
     eval_every: int = 10
     resume: bool = True
 

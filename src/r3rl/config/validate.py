@@ -18,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 DEVICES = ("cuda", "cpu")
 DISPATCHERS = ("alltoall", "allgather", "flex")
+# r3rl.train.checkpoint.OPTIMIZER_FORMATS (not imported: that module pulls in torch)
+CHECKPOINT_SHARDINGS = ("fully_reshardable", "dp_reshardable")
 RECOMPUTE = (None, "full", "selective")
 # r3rl_gloo: r3rl's CPU weight-transfer engine (r3rl.sync.gloo_engine), registered with vLLM by plugin
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "ipc", "r3rl_gloo", "disk")
@@ -281,6 +283,8 @@ def validate(cfg: R3RLConfig) -> None:
     check(tr.params_dtype in DTYPES, "trainer.params_dtype", f"must be one of {DTYPES}, got {tr.params_dtype!r}")
     check(tr.moe_token_dispatcher_type in DISPATCHERS, "trainer.moe_token_dispatcher_type",
           f"must be one of {DISPATCHERS}, got {tr.moe_token_dispatcher_type!r}")
+    check(tr.checkpoint_sharding in CHECKPOINT_SHARDINGS, "trainer.checkpoint_sharding",
+          f"must be one of {CHECKPOINT_SHARDINGS}, got {tr.checkpoint_sharding!r}")
     check(tr.recompute_granularity in RECOMPUTE, "trainer.recompute_granularity",
           f"must be one of {RECOMPUTE}, got {tr.recompute_granularity!r}")
     check(tr.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
@@ -372,6 +376,7 @@ def validate(cfg: R3RLConfig) -> None:
           f"must be one of {WANDB_MODES}, got {cfg.logger.wandb.mode!r}")
     check(cfg.run.num_steps >= 1, "run.num_steps", "must be >= 1")
     check(cfg.run.save_every >= 1, "run.save_every", "must be >= 1")
+    check(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1 (the one a resume starts from)")
     check(par.gpu_memory_gib is None or par.gpu_memory_gib > 0, "parallelism.gpu_memory_gib",
           f"must be null or > 0, got {par.gpu_memory_gib}")
     check(par.host_memory_gib is None or par.host_memory_gib > 0, "parallelism.host_memory_gib",

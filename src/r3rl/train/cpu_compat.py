@@ -91,6 +91,10 @@ class CpuStream:
         pass
 
 
+def _cpu_synchronize(device: Any = None) -> None:
+    """CPU ops have finished when they return."""
+
+
 def _cpu_stream(device: Any = None) -> CpuStream:
     return CpuStream()
 
@@ -99,6 +103,8 @@ def _patch_current_device() -> None:
     # Megatron uses torch.cuda.current_device() as "the device"; on this machine that is the CPU.
     torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
     torch.cuda.current_stream = _cpu_stream  # type: ignore[assignment]
+    # dist_checkpointing's writer synchronises the device before every save, a synchronous one included
+    torch.cuda.synchronize = _cpu_synchronize  # type: ignore[assignment]
 
 
 class CpuRNGStatesTracker:
@@ -223,6 +229,7 @@ class MainGradAdam:
         self.clip_grad = clip_grad
         self.dense_norm_group = dense_norm_group
         self.expert_norm_group = expert_norm_group
+        self._keys: dict[int, dict[str, int]] = {}  # where sharded_state_dict put each master's tensors
 
     @property
     def param_groups(self) -> list[dict]:
@@ -268,16 +275,53 @@ class MainGradAdam:
         for master in self.masters:
             master.grad = None
 
-    def state_dict(self) -> dict:
-        return {"adam": self.optimizer.state_dict(),
-                "masters": [m.detach().clone() for m, p in zip(self.masters, self.params) if m is not p]}
+    def _ensure_state(self) -> None:
+        """Moments for every parameter (zeros and step 0 before the first step: exactly a fresh AdamW), so that a
+        sharded state dict names every tensor a checkpoint holds or a load needs."""
+        for master in self.masters:
+            state = self.optimizer.state[master]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["adam"])
-        separate = [m for m, p in zip(self.masters, self.params) if m is not p]
+    @property
+    def adam_step(self) -> int:
+        self._ensure_state()
+        steps = {float(self.optimizer.state[m]["step"]) for m in self.masters}
+        assert len(steps) == 1, f"parameters at different Adam steps: {sorted(steps)}"
+        return int(steps.pop())
+
+    def sharded_state_dict(self, model_state: dict) -> dict:
+        """The moments and float32 masters as ShardedTensors under the keys of Megatron's fully reshardable
+        optimizer state (``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, the model parameters' shapes
+        and shards), numbered in one flat dict (the stacked layers share a key: their index is a global offset). A
+        load fills the same tensors in place."""
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                make_sharded_optimizer_tensor)
+
+        self._ensure_state()
+        by_index = get_param_id_to_sharded_param_map(model_state, self.params)
+        flat, self._keys = {}, {}
+        for i, master in enumerate(self.masters):
+            state, self._keys[i] = self.optimizer.state[master], {}
+            for name, tensor in (("param", master), ("exp_avg", state["exp_avg"]),
+                                 ("exp_avg_sq", state["exp_avg_sq"])):
+                sharded = make_sharded_optimizer_tensor(by_index[i], tensor, f"optimizer.state.{name}")
+                self._keys[i][name] = len(flat)
+                flat[len(flat)] = sharded
+        return flat
+
+    def load_sharded_state_dict(self, tensors: dict, adam_step: int) -> None:
         with torch.no_grad():
-            for master, saved in zip(separate, state["masters"]):
-                master.copy_(saved)
+            for i, master in enumerate(self.masters):
+                keys, own = self._keys[i], self.optimizer.state[master]
+                own["exp_avg"].copy_(tensors[keys["exp_avg"]])
+                own["exp_avg_sq"].copy_(tensors[keys["exp_avg_sq"]])
+                own["step"] = torch.tensor(float(adam_step))
+                master.copy_(tensors[keys["param"]])
+                if master is not self.params[i]:
+                    self.params[i].copy_(master)
 
 
 def _names_cuda(device: Any) -> bool:

@@ -1,7 +1,12 @@
 """The optimizer behind the trainer: Megatron's (distributed) optimizer, or the CPU compat AdamW over ``main_grad``
 for a CPU run without the distributed optimizer (the CPU profile's one rank).
 
-Both expose ``step() -> (ok, grad_norm)``, ``zero_grad()``, ``set_lr()``, ``state_dict()``/``load_state_dict()``.
+Both expose ``step() -> (ok, grad_norm)``, ``zero_grad()``, ``set_lr()``, and their state for a checkpoint
+(r3rl.train.checkpoint) in one form: a flat ``{n: ShardedTensor}`` (n numbers this rank's tensors; the file names
+each by its own key and global offsets) under Megatron's ``fully_reshardable`` keys,
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<model parameter key>`` in the model parameters' shapes, plus the Adam
+step. Nothing in it depends on the layout or on how Megatron chains its optimizers (one at expert parallel 1, dense
++ expert above), so the state reshards, and the two optimizers read each other's checkpoints.
 The learning rate follows a cosine from ``trainer.lr`` to ``trainer.min_lr`` over the run's optimizer steps.
 """
 
@@ -23,9 +28,19 @@ class Optimizer(Protocol):
 
     def set_lr(self, lr: float) -> None: ...
 
-    def state_dict(self) -> dict: ...
+    @property
+    def stepped(self) -> bool:
+        """Whether any optimizer step has made state (moments) to save."""
 
-    def load_state_dict(self, state: dict) -> None: ...
+    @property
+    def adam_step(self) -> int: ...
+
+    def sharded_state_dict(self, model_state: dict, is_loading: bool, metadata: dict) -> dict: ...
+
+    def load_sharded_state_dict(self, tensors: dict, adam_step: int) -> None: ...
+
+    def reset_state(self) -> None:
+        """Back to a never-stepped optimizer (a checkpoint saved before the first step holds no moments)."""
 
 
 def total_optimizer_steps(cfg: R3RLConfig) -> int:
@@ -58,11 +73,22 @@ class CpuOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = lr
 
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
+    @property
+    def stepped(self) -> bool:
+        return bool(self.inner.optimizer.state)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
+    @property
+    def adam_step(self) -> int:
+        return self.inner.adam_step
+
+    def sharded_state_dict(self, model_state: dict, is_loading: bool, metadata: dict) -> dict:
+        return self.inner.sharded_state_dict(model_state)
+
+    def load_sharded_state_dict(self, tensors: dict, adam_step: int) -> None:
+        self.inner.load_sharded_state_dict(tensors, adam_step)
+
+    def reset_state(self) -> None:
+        self.inner.optimizer.state.clear()  # torch's AdamW starts every parameter afresh at its next step
 
 
 class MegatronOptimizer:
@@ -74,6 +100,7 @@ class MegatronOptimizer:
 
     def __init__(self, inner: Any):
         self.inner = inner
+        self._loading: dict | None = None
 
     def step(self) -> tuple[bool, float]:
         with cpu_compat.megatron_optimizer_scope():
@@ -92,46 +119,92 @@ class MegatronOptimizer:
         # get_megatron_optimizer chains a dense and an expert optimizer; each may be distributed
         return list(getattr(self.inner, "chained_optimizers", [self.inner]))
 
-    def state_dict(self) -> dict:
-        # the distributed optimizer keeps its Adam moments sharded; gather them (collective) for a checkpoint
+    @property
+    def stepped(self) -> bool:
+        return any(len(part.optimizer.state) for part in self._parts())
+
+    @property
+    def adam_step(self) -> int:
         with cpu_compat.megatron_optimizer_scope():
-            return {"optimizer": self.inner.state_dict(),
-                    "param_state": [p.get_parameter_state_dp_zero() if hasattr(p, "get_parameter_state_dp_zero")
-                                    else None for p in self._parts()],
-                    "steps": [_adam_steps(p) for p in self._parts()]}
+            steps = {g["step"] for part in self._parts() for g in part.state_dict()["optimizer"]["param_groups"]}
+        assert len(steps) == 1, f"optimizers at different Adam steps: {sorted(steps)}"
+        return int(steps.pop())
 
-    def load_state_dict(self, state: dict) -> None:
-        # no_grad: with float32 parameters the main parameters are views of the model's, which require grad
+    def sharded_state_dict(self, model_state: dict, is_loading: bool, metadata: dict) -> dict:
+        # inside the scope: the fully reshardable gather allocates on "the device"; no_grad: loading copies into main
+        # parameters that are views of the model's float32 ones, which require grad
         with cpu_compat.megatron_optimizer_scope(), torch.no_grad():
-            self.inner.load_state_dict(state["optimizer"])
-            for part, param_state, steps in zip(self._parts(), state["param_state"], state["steps"]):
-                # collective: data-parallel rank 0 holds the gathered state (None on the others) and scatters it
-                if hasattr(part, "load_parameter_state_from_dp_zero"):
-                    _set_adam_steps(part, None)  # the gathered state holds param/exp_avg/exp_avg_sq only
-                    part.load_parameter_state_from_dp_zero(param_state)
-                _set_adam_steps(part, steps)
+            if is_loading and not self.stepped:
+                for part in self._parts():
+                    _allocate_state(part)
+            full = self.inner.sharded_state_dict(model_state, is_loading, metadata=metadata)
+        if is_loading:
+            self._loading = full  # what load_sharded_state_dict fills and hands to Megatron
+        return _flat(_param_states(full))
+
+    def load_sharded_state_dict(self, tensors: dict, adam_step: int) -> None:
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+        full, self._loading = self._loading, None
+        assert full is not None, "sharded_state_dict(is_loading=True) first"
+
+        numbered = iter(range(len(tensors)))
+        for states in _param_states(full):  # in the order _flat numbered their tensors
+            dict_list_map_inplace(lambda v: tensors[next(numbered)] if isinstance(v, ShardedBase) else v, states)
+        dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, full)
+        with cpu_compat.megatron_optimizer_scope(), torch.no_grad():
+            for part, saved in zip(self._parts(), _parts_of(full)):
+                if isinstance(saved["optimizer"], ShardedBase):
+                    # dp_reshardable wraps the param groups in a per-rank object: this optimizer's own serve (the
+                    # checkpoint adds nothing but the step, set here)
+                    saved["optimizer"] = saved["optimizer"].data
+                for group in saved["optimizer"]["param_groups"]:
+                    group["step"] = adam_step
+                param_state = saved.pop("param_state")
+                kind = saved.pop("param_state_sharding_type")  # the format the state was requested in
+                part.load_state_dict(saved)  # param groups and the Adam step (torch's AdamW: per parameter)
+                # Megatron copies every key of a parameter's optimizer state from the checkpoint, torch's per
+                # parameter "step" included, which its saved state does not hold; and it gave every parameter one
+                # shared step tensor, which torch's AdamW would then advance once per parameter
+                stepped = [state for state in part.optimizer.state.values() if state.pop("step", None) is not None]
+                getattr(part, f"load_parameter_state_from_{kind}")(param_state)
+                for state in stepped:
+                    state["step"] = torch.tensor(float(adam_step))
 
 
-def _adam_tensors(part) -> list:
-    inner = getattr(part, "optimizer", None)
-    if inner is None:
-        return []
-    return [(inner.state, p) for group in inner.param_groups for p in group["params"]]
+    def reset_state(self) -> None:
+        if self.stepped:
+            # its state may hold the master weights (precision-aware): cleared, they would be lost
+            raise ValueError("this checkpoint was saved before the first optimizer step and holds no optimizer "
+                             "state; Megatron's optimizer here has stepped already: load it into a fresh trainer")
 
 
-def _adam_steps(part) -> list:
-    """torch's AdamW (what Megatron uses without TransformerEngine or Apex) counts steps per parameter in its state;
-    Megatron's gathered parameter state leaves them out, so they travel beside it."""
-    return [state[p].get("step") for state, p in _adam_tensors(part)]
+def _parts_of(full: dict) -> list[dict]:
+    """A chained optimizer's sharded state is ``{index: part}``, a single one's the part itself."""
+    return list(full.values()) if all(isinstance(k, int) for k in full) else [full]
 
 
-def _set_adam_steps(part, steps: list | None) -> None:
-    entries = _adam_tensors(part)
-    for i, (state, p) in enumerate(entries):
-        if steps is None:
-            state[p].pop("step", None)
-        elif steps[i] is not None:
-            state[p]["step"] = steps[i].clone() if isinstance(steps[i], torch.Tensor) else steps[i]
+def _param_states(full: dict) -> list:
+    return [part["param_state"] for part in _parts_of(full)]
+
+
+def _flat(tree) -> dict:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    # numbered, not keyed: the stacked layers share one key (their layer index is a global offset)
+    return dict(enumerate(v for v in nested_values(tree) if isinstance(v, ShardedBase)))
+
+
+def _allocate_state(part) -> None:
+    """A never-stepped distributed optimizer has no state to load into, and without TransformerEngine or Apex its
+    ``state_dict`` (which ``sharded_state_dict(is_loading=True)`` calls) asserts one common Adam step. Loading the
+    bare param groups makes Megatron allocate every shard (uninitialised: the checkpoint overwrites it)."""
+    if not hasattr(part, "load_parameter_state_from_fully_reshardable") or len(part.optimizer.state):
+        return
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": 0} for g in part.optimizer.param_groups]
+    part.load_state_dict({"optimizer": {"param_groups": groups}})
 
 
 def build_optimizer(cfg: R3RLConfig, ddp_model, dtype: torch.dtype, use_distributed_optimizer: bool) -> Optimizer:

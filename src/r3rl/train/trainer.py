@@ -7,6 +7,7 @@ Every rank is called with the same full list of samples and takes its data-paral
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -611,36 +612,85 @@ class MegatronTrainer:
         offload.move_optimizer_state(self.optimizer, "cpu")
         return offload.release_cached_memory()
 
+    def _sharded_state(self, *, optimizer: bool, is_loading: bool, optimizer_format: str) -> dict:
+        """Model (and optimizer) as Megatron sharded tensors: each names this rank's shard of a global tensor, which
+        is what lets a checkpoint load under another layout."""
+        metadata = checkpoint.sharding_metadata(optimizer_format)
+        state = {"model": self.bare.sharded_state_dict(metadata=metadata)}
+        if optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading, metadata)
+        return state
+
+    def _rng_state(self) -> dict:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        return {"torch": torch.get_rng_state(), "tracker": mrandom.get_cuda_rng_tracker().get_states(),
+                "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+
+    @property
+    def optimizer_format(self) -> str:
+        """How checkpoints store the optimizer state (``trainer.checkpoint_sharding`` for Megatron's distributed
+        optimizer; the other optimizers' state is in the model's shapes, as fully_reshardable's)."""
+        return self.cfg.trainer.checkpoint_sharding if self.settings.use_distributed_optimizer \
+            else "fully_reshardable"
+
+    def _check_optimizer_format(self, path: str | Path, info: dict) -> None:
+        if info["optimizer_format"] != "dp_reshardable":
+            return
+        saved, here = info["layout"], dataclasses.asdict(self.info.layout)
+        if not self.settings.use_distributed_optimizer or saved != here:
+            raise ValueError(
+                f"{path}: its optimizer state was saved with trainer.checkpoint_sharding=dp_reshardable under layout "
+                f"{saved}, which only Megatron's distributed optimizer under that same layout (any data-parallel "
+                f"size) reads; this trainer runs {here}"
+                + ("" if self.settings.use_distributed_optimizer else " without the distributed optimizer")
+                + ". Resume it under its own layout (and save with fully_reshardable to reshard)")
+
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
+        """Collective: the model, the optimizer (once it has stepped: before that a fresh one is the state), the
+        optimizer step and ``extra`` in Megatron's distributed format; every rank writes its shards."""
+        stepped = self.optimizer.stepped
+        state = self._sharded_state(optimizer=stepped, is_loading=False, optimizer_format=self.optimizer_format)
+        # common values: rank 0's copy is the one stored, so nothing per rank goes here (RNG has its own files)
+        state["r3rl"] = {"optimizer_step": self.optimizer_step, "model_name": self.cfg.model.name,
+                         "adam_step": self.optimizer.adam_step if stepped else 0, "extra": dict(extra or {})}
+        return checkpoint.save(path, state, rank=self.info.rank, world_size=self.info.world_size,
+                               layout=self.info.layout, rng=self._rng_state(),
+                               info={"optimizer_step": self.optimizer_step, "optimizer_state": stepped,
+                                     "optimizer_format": self.optimizer_format, "model_name": self.cfg.model.name})
+
+    def load_checkpoint(self, path: str | Path, *, optimizer: bool = True) -> dict:
+        """Collective: restore a checkpoint saved under any parallel layout; the RNG too when the layout is this
+        one (a resharded resume reseeds from the step instead). ``optimizer=False`` loads the weights only (an
+        export). Returns the saving call's ``extra``."""
         from megatron.core.tensor_parallel import random as mrandom
 
-        state = {
-            "model": self.bare.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_step": self.optimizer_step,
-            "torch_rng": torch.get_rng_state(),
-            "tracker_rng": mrandom.get_cuda_rng_tracker().get_states(),
-            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-            "layout": self.info.layout,
-            "model_name": self.cfg.model.name,
-            "extra": dict(extra or {}),
-        }
-        return checkpoint.save(path, self.info.rank, self.info.world_size, state)
-
-    def load_checkpoint(self, path: str | Path) -> dict:
-        from megatron.core.tensor_parallel import random as mrandom
-
-        state = checkpoint.load(path, self.info.rank, self.info.world_size)
-        if state["layout"] != self.info.layout:
-            raise ValueError(f"{path}: saved with layout {state['layout']}, this trainer runs {self.info.layout}")
-        self.bare.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.optimizer_step = int(state["optimizer_step"])
-        torch.set_rng_state(state["torch_rng"])
-        mrandom.get_cuda_rng_tracker().set_states(state["tracker_rng"])
-        if state.get("cuda_rng") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"])
-        return state["extra"]
+        info = checkpoint.read_complete(path)
+        if info["model_name"] != self.cfg.model.name:
+            raise ValueError(f"{path}: a checkpoint of model {info['model_name']!r}, this trainer runs "
+                             f"{self.cfg.model.name!r}")
+        with_optimizer = optimizer and info["optimizer_state"]
+        if with_optimizer:
+            self._check_optimizer_format(path, info)
+        state = self._sharded_state(optimizer=with_optimizer, is_loading=True,
+                                    optimizer_format=info["optimizer_format"])
+        state["r3rl"] = {}
+        loaded = checkpoint.load(path, state)
+        self.bare.load_state_dict(loaded["model"], strict=True)
+        if with_optimizer:
+            self.optimizer.load_sharded_state_dict(loaded["optimizer"], int(loaded["r3rl"]["adam_step"]))
+        elif optimizer:
+            self.optimizer.reset_state()
+        self.optimizer_step = int(loaded["r3rl"]["optimizer_step"])
+        rng = checkpoint.load_rng(path, self.info.rank, self.info.world_size, self.info.layout)
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            mrandom.get_cuda_rng_tracker().set_states(rng["tracker"])
+            if rng["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"])
+        else:  # another layout: no rank's saved stream is this rank's
+            distributed.seed_all(self.cfg.run.seed + self.optimizer_step)
+        return loaded["r3rl"]["extra"]
 
     def shutdown(self) -> None:
         if self._closed:
@@ -650,6 +700,7 @@ class MegatronTrainer:
             self.replay.clear()
         if self.routers:
             forget_instances(self.routers)
+        checkpoint.close_writer()
         self.model = self.bare = self.ref_model = self.optimizer = self._weight_stream = None
         self.routers = []
         distributed.release()

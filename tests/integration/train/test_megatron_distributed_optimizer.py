@@ -22,7 +22,9 @@ WORKER_NAME = "megatron_distopt_worker.py"
 # micro batches packed by a 48-token budget (equal shapes across the two allgather ranks), compared with the single
 # process's two samples per micro batch
 BUDGET = ["trainer.max_tokens_per_micro_batch=48"]
-DISTOPT = ["trainer.use_distributed_optimizer=true", "trainer.micro_batch_size=2", *BUDGET]
+# the checkpoint in Megatron's no-gather format (each rank's own buffers; the reshardable one has its own test)
+DISTOPT = ["trainer.use_distributed_optimizer=true", "trainer.micro_batch_size=2", *BUDGET,
+           "trainer.checkpoint_sharding=dp_reshardable"]
 MEMORY_PARTS = ("weights", "gradients", "master weights", "optimizer state")
 
 
