@@ -47,6 +47,11 @@ def settle_before_start(argv: list[str]) -> None:
 
     try:
         cfg = compose(argv[1:])
+        # a machine that cannot run the layout at all is the first thing to say (before its files and disk)
+        problem = None if cfg.run.dry_run else check_machine(cfg, visible_gpu_count())
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            sys.exit(2)
         # a launch needs its files here; a dry run plans one elsewhere, where they may be mounted
         preflight(cfg, launching=not cfg.run.dry_run)
     except ConfigError as err:
@@ -57,10 +62,6 @@ def settle_before_start(argv: list[str]) -> None:
     if cfg.run.dry_run:
         dry_run(cfg)
         sys.exit(0)
-    problem = check_machine(cfg, visible_gpu_count())
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
     step = finished_step(cfg)
     if step is not None:
         report_finished(cfg, step)

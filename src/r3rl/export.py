@@ -3,9 +3,10 @@
 The folder (safetensors, ``model.safetensors.index.json``, config, tokenizer, chat template) loads in
 ``transformers`` and vLLM, and ``model.checkpoint=DIR`` takes it for a new run. It is written the way the run
 itself writes weights: the run's resolved config (``<run>/.hydra/config.yaml``) starts the trainer ranks with the
-run's parallelism (Ray; logical GPUs on a CPU), every rank loads its own shard of the weights of checkpoint ``step_N``
-(default: the latest; Megatron's distributed format, so the optimizer state is never read), and every rank writes its own tensors bucket by bucket (``MegatronTrainer.export_hf``); rank 0 writes the
-index, config and tokenizer files. No process ever holds the whole model. Everything started here is stopped by
+run's parallelism (Ray; logical GPUs on a CPU), every rank loads its own shard of the weights of checkpoint
+``step_N`` (default: the latest; Megatron's distributed format, so the optimizer state is never read), and every rank
+writes its own tensors bucket by bucket (``MegatronTrainer.export_hf``); rank 0 writes the index, config and
+tokenizer files. No process ever holds the whole model. Everything started here is stopped by
 handle before the command returns.
 
 Not to be confused with ``r3rl.train.export``, the trainer-side bucketed HF stream this command drives.

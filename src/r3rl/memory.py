@@ -33,7 +33,15 @@ Host memory, per node (``parallelism.host_memory_gib``), pinned and pageable apa
   moments (8 B/param, pageable): 16 B/param in all;
 - colocated with ``rollout.weight_sync.sleep_level=1``: each engine GPU's weights, which vLLM's sleep mode backs up
   in pinned host memory;
-- runtime: Python, torch and the CUDA runtime's host side, a fixed allowance per trainer rank and engine GPU.
+- runtime: Python, torch and the CUDA runtime's host side, a fixed allowance per trainer rank and engine GPU;
+- checkpoint save and load (r3rl.train.checkpoint, while one runs): with the distributed optimizer's
+  ``fully_reshardable`` format every rank's model-parallel part of the float32 parameters and Adam moments (12 B per
+  local parameter) is gathered into host "world" tensors (on data-parallel rank 0 to save, on every rank to load);
+  and what lives on the GPU is staged in host memory for the writer (the weights; the optimizer state not offloaded,
+  for the other formats). Transient, but at its peak while everything above is held.
+
+Disk, per checkpoint: every parameter once in ``params_dtype`` plus the float32 parameter and two Adam moments
+(12 B/param) of the optimizer, whatever the layout; ``run.keep_checkpoints`` of them plus the one being written.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ RUNTIME_BYTES = 2 * GIB
 HOST_RUNTIME_BYTES = 4 * GIB
 # bytes per offloaded parameter Megatron's HybridDeviceOptimizer keeps in host memory (see the module docstring)
 HOST_GRAD_BYTES, HOST_PARAM_BYTES, HOST_MOMENT_BYTES = 4, 4, 8
+# float32 parameter + two Adam moments: the optimizer state a checkpoint holds (and the fully reshardable gather)
+OPTIMIZER_CHECKPOINT_BYTES = 12
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,12 @@ class MemoryPlan:
     host_offload_bytes: int  # per trainer rank, optimizer state (and the gradients it steps from) in host memory
     hosts: tuple[HostMemory, ...] = ()
     host_budget_bytes: int | None = None  # parallelism.host_memory_gib, None: not checked
+    checkpoint_bytes: int = 0  # disk of one checkpoint
+    checkpoints_on_disk: int = 0  # run.keep_checkpoints + the one being written
+
+    @property
+    def checkpoint_disk_bytes(self) -> int:
+        return self.checkpoint_bytes * self.checkpoints_on_disk
 
     def over_budget(self) -> list[GpuMemory]:
         if self.budget_bytes is None:
@@ -161,15 +177,49 @@ def engine_memory_share_key(cfg: R3RLConfig) -> str:
 
 
 def trainer_host_parts(cfg: R3RLConfig, params_dtype: str) -> list[HostPart]:
-    """One trainer rank's host memory: its offloaded optimizer shard (16 B/param) and the process's allowance."""
+    """One trainer rank's host memory: its offloaded optimizer shard (16 B/param), the process's allowance, and a
+    checkpoint's save or load at its peak."""
     shard, on_host = _optimizer_shard(cfg), _on_host(cfg)
     n = shard * on_host
     params_pinned = not (cfg.trainer.precision_aware_optimizer and params_dtype != "float32")
     parts = [HostPart("offloaded gradients (fp32)", int(n * HOST_GRAD_BYTES), True),
              HostPart("offloaded fp32 parameters", int(n * HOST_PARAM_BYTES), params_pinned),
              HostPart("offloaded Adam moments", int(n * HOST_MOMENT_BYTES), False),
-             HostPart("runtime", HOST_RUNTIME_BYTES if cfg.parallelism.device == "cuda" else 0, False)]
+             HostPart("runtime", HOST_RUNTIME_BYTES if cfg.parallelism.device == "cuda" else 0, False),
+             HostPart("checkpoint save/load (transient)", checkpoint_host_bytes(cfg, params_dtype), False)]
     return [p for p in parts if p.bytes or p.name == "runtime"]
+
+
+def checkpoint_host_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
+    """One trainer rank's extra host memory while a checkpoint is saved or loaded (see the module docstring)."""
+    tr, cuda = cfg.trainer, cfg.parallelism.device == "cuda"
+    local = _local_params(cfg)
+    gathered = local * OPTIMIZER_CHECKPOINT_BYTES if tr.use_distributed_optimizer and \
+        tr.checkpoint_sharding == "fully_reshardable" else 0
+    staged = 0.0
+    if cuda:  # on a CPU the writer reads the tensors where they are
+        staged = local * DTYPE_BYTES[params_dtype]
+        if not tr.use_distributed_optimizer:
+            staged += local * OPTIMIZER_CHECKPOINT_BYTES
+        elif not gathered:
+            staged += _optimizer_shard(cfg) * OPTIMIZER_CHECKPOINT_BYTES * (1 - _on_host(cfg))
+    return int(gathered + staged)
+
+
+def checkpoint_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
+    """Disk of one checkpoint: each parameter once in ``params_dtype`` and its optimizer state (12 B)."""
+    m, counts = cfg.model, param_counts(cfg.model)
+    total = m.num_layers * (counts.dense_per_layer + counts.experts_per_layer) + counts.embeddings
+    return int(total * (DTYPE_BYTES[params_dtype] + OPTIMIZER_CHECKPOINT_BYTES))
+
+
+def _local_params(cfg: R3RLConfig) -> float:
+    """Parameters one trainer rank holds (dense over TP, experts over EP x ETP, layers over PP)."""
+    m, t = cfg.model, cfg.parallelism.trainer
+    counts = param_counts(m)
+    layers = -(-m.num_layers // t.pipeline_parallel)
+    return layers * counts.dense_per_layer // t.tensor_parallel + counts.embeddings // t.tensor_parallel \
+        + layers * counts.experts_per_layer // (t.expert_parallel * t.expert_tensor_parallel)
 
 
 def _optimizer_shard(cfg: R3RLConfig) -> float:
@@ -300,7 +350,8 @@ def estimate(cfg: R3RLConfig, trainer_dtype: str, engine_dtype: str) -> MemoryPl
         gpus = (GpuMemory("trainer", par.trainer.num_gpus, tuple(("trainer", p) for p in trainer)),
                 GpuMemory("rollout", par.rollout.num_gpus, tuple(("rollout", p) for p in engine)))
     return MemoryPlan(gpus=gpus, budget_bytes=budget, host_offload_bytes=offloaded, hosts=hosts,
-                      host_budget_bytes=host_budget)
+                      host_budget_bytes=host_budget, checkpoint_bytes=checkpoint_bytes(cfg, trainer_dtype),
+                      checkpoints_on_disk=cfg.run.keep_checkpoints + 1)
 
 
 def engine_weights_fit(cfg: R3RLConfig, plan: MemoryPlan) -> bool:
@@ -320,7 +371,9 @@ TRAINER_FIXES = ("trainer.optimizer_cpu_offload=true", "trainer.recompute_granul
 ENGINE_FIXES = ("rollout.engine.gpu_memory_utilization or parallelism.rollout.gpu_memory_utilization (smaller on "
                 "colocated GPUs)",)
 # keys that shrink a node's host memory, named when a plan does not fit parallelism.host_memory_gib
-HOST_FIXES = ("trainer.optimizer_offload_fraction (smaller: fewer optimizer bytes in host memory, more on the GPU)",
+HOST_FIXES = ("trainer.checkpoint_sharding=dp_reshardable (checkpoints without the host gather of the optimizer "
+              "state; a resume then keeps the layout)",
+              "trainer.optimizer_offload_fraction (smaller: fewer optimizer bytes in host memory, more on the GPU)",
               "parallelism.nnodes with parallelism.trainer.num_gpus (the trainer over more nodes: fewer ranks per "
               "node, each a smaller optimizer shard)",
               "parallelism.host_memory_gib (if the nodes have more)")
@@ -328,8 +381,11 @@ HOST_FIXES = ("trainer.optimizer_offload_fraction (smaller: fewer optimizer byte
 
 def host_fixes(cfg: R3RLConfig) -> list[str]:
     """The keys that would bring an over-budget node's host memory down."""
-    out = [k for k in HOST_FIXES if not (k.startswith("trainer.optimizer_offload_fraction") and
-                                          not cfg.trainer.optimizer_cpu_offload)]
+    tr = cfg.trainer
+    out = [k for k in HOST_FIXES
+           if not (k.startswith("trainer.optimizer_offload_fraction") and not tr.optimizer_cpu_offload)
+           and not (k.startswith("trainer.checkpoint_sharding") and
+                    (tr.checkpoint_sharding == "dp_reshardable" or not tr.use_distributed_optimizer))]
     if cfg.parallelism.colocated and cfg.rollout.weight_sync.sleep_level == 1:
         out.insert(0, "rollout.weight_sync.sleep_level=2 (the engines drop their weights instead of backing them up)")
     return out
@@ -377,3 +433,9 @@ def host_table(plan: MemoryPlan) -> dict:
         out[f"node {h.node}"] = {**rows, "pinned": gib(h.pinned), "pageable": gib(h.pageable), "total": gib(h.total)}
     out["budget per node"] = gib(plan.host_budget_bytes) if plan.host_budget_bytes is not None else "not checked"
     return out
+
+
+def disk_table(plan: MemoryPlan) -> dict:
+    """Checkpoint disk in GiB (what the dry run prints)."""
+    return {"per checkpoint": gib(plan.checkpoint_bytes), "checkpoints on disk at once": plan.checkpoints_on_disk,
+            "total": gib(plan.checkpoint_disk_bytes)}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r3rl import memory
-from r3rl.config.modes import replay_mode, resolve_dtype
+from r3rl.config.modes import engine_concurrency, replay_mode, resolve_dtype
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
 
@@ -330,6 +330,46 @@ def build_plan(cfg: R3RLConfig) -> LaunchPlan:
     )
 
 
+def kv_tokens_per_engine(cfg: R3RLConfig, plan: LaunchPlan) -> int | None:
+    """Tokens one engine's KV cache holds by the memory plan (K and V of every layer and KV head), or None when
+    the plan does not size the cache (no GPU budget)."""
+    m, r = cfg.model, cfg.parallelism.rollout
+    parts = [p.bytes for g in plan.memory.gpus for role, p in g.parts
+             if role == "rollout" and p.name.startswith("engine KV cache")]
+    if not parts or cfg.rollout.engine.url:
+        return None
+    gpus_per_engine = max(r.num_gpus // max(r.num_engines, 1), 1)
+    per_token = 2 * m.num_layers * m.num_query_groups * m.head_dim * memory.DTYPE_BYTES[plan.engine_dtype]
+    return int(parts[0] * gpus_per_engine // per_token)
+
+
+def batch_settings(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
+    """The rollout concurrency and the trainer's micro batches, each with why it is what it is (the dry run)."""
+    alg, eng, tr = cfg.algorithm, cfg.rollout.engine, cfg.trainer
+    engines = len(plan.engines) or 1
+    step = alg.rollout_batch_size * alg.n_samples_per_prompt
+    concurrency = engine_concurrency(cfg)
+    waves = -(-step // (concurrency * engines))
+    why = (f"rollout.engine.max_concurrency={eng.max_concurrency}" if eng.max_concurrency is not None else
+           "null: a step's samples over the engines")
+    kv = kv_tokens_per_engine(cfg, plan)
+    rollout = {"max_concurrency": concurrency,
+               "why": f"{why}; {step} samples a step over {engines} engine(s) go out in {waves} wave(s)"}
+    if kv is not None:
+        full = kv // eng.max_model_len
+        rollout["kv_cache"] = (f"~{kv:,} tokens per engine by the memory plan: {full} sequences of max_model_len="
+                               f"{eng.max_model_len} run at once, more when responses are shorter; vLLM queues the "
+                               "rest of a wave")
+    budget = tr.max_tokens_per_micro_batch
+    trainer = {"micro_batch_size": tr.micro_batch_size, "max_tokens_per_micro_batch": budget,
+               "why": (f"micro batches take samples (longest first) up to {budget} padded tokens; the memory plan's "
+                       f"activations are counted for {memory.micro_batch_tokens(cfg)} tokens"
+                       if budget is not None else
+                       f"{tr.micro_batch_size} sample(s) per micro batch, however short; the memory plan counts "
+                       f"{memory.micro_batch_tokens(cfg)} tokens (micro_batch_size x max_model_len)")}
+    return {"rollout": rollout, "trainer": trainer}
+
+
 def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
     """The plan as plain data (what the dry run prints, and what tests assert on)."""
     p = plan.placement
@@ -361,8 +401,10 @@ def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
         ),
         "trainer": {"dtype": plan.trainer_dtype, "data_parallel": plan.data_parallel, "megatron": plan.megatron,
                     "optimizer": plan.optimizer},
+        "batch_settings": batch_settings(cfg, plan),
         "memory_gib_per_gpu": memory.table(plan.memory),
         "host_memory_gib_per_node": memory.host_table(plan.memory),
+        "checkpoint_disk_gib": memory.disk_table(plan.memory),
         "wandb": {"project": plan.wandb.project, "entity": plan.wandb.entity, "mode": plan.wandb.mode,
                   "name": plan.wandb.name, "group": plan.wandb.group, "tags": list(plan.wandb.tags)},
     }

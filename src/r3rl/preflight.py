@@ -4,7 +4,8 @@ process starts.
 ``r3rl.config`` composes a config and checks its schema and cross-field rules; ``preflight`` then checks what only
 the files and libraries can say: the training data (every record, named by file, line or row and key), the SFT
 records, the eval sets and their overlap with the training prompts, the reward's grader, an existing checkpoint's
-shape, the environment (``env.environment`` built once), and the memory plan against the GPU and host budgets. Every
+shape, the environment (``env.environment`` built once), the memory plan against the GPU and host budgets, and (at
+launch) the free disk under ``run.output_dir`` against the checkpoints the run keeps. Every
 problem comes back in one ``ConfigError`` list, each naming the key to change, the way config errors print.
 """
 
@@ -49,6 +50,8 @@ def problems(cfg: R3RLConfig, *, launching: bool = False) -> list[tuple[str, str
         found.extend(eval_overlaps(cfg))
     if not found:
         found.extend(memory_problems(cfg))
+    if not found and launching:
+        found.extend(disk_problems(cfg))
     return found
 
 
@@ -167,3 +170,28 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
                          f"the {cfg.parallelism.host_memory_gib} GiB budget per node ({parts} GiB); change "
                          + "; ".join(memory.host_fixes(cfg))))
     return problems
+
+
+def disk_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """The file system of ``run.output_dir`` must hold ``run.keep_checkpoints`` checkpoints and the one being
+    written (``r3rl.memory.checkpoint_bytes``); a run that fills it dies at a save, hours in."""
+    import shutil
+    from pathlib import Path
+
+    from r3rl import memory
+    from r3rl.config.modes import resolve_dtype
+
+    need = memory.checkpoint_bytes(cfg, resolve_dtype(cfg.trainer.params_dtype, cfg.parallelism.device)) \
+        * (cfg.run.keep_checkpoints + 1)
+    folder = Path(cfg.run.output_dir).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    checkpoints = Path(cfg.run.output_dir) / "checkpoints"
+    held = sum(f.stat().st_size for f in checkpoints.rglob("*") if f.is_file()) if checkpoints.is_dir() else 0
+    free = shutil.disk_usage(folder).free + held  # a resumed run replaces the checkpoints it finds
+    if need <= free:
+        return []
+    return [("run.keep_checkpoints",
+             f"{cfg.run.keep_checkpoints} checkpoints and the one being written need ~{need / memory.GIB:.1f} GiB "
+             f"under run.output_dir={cfg.run.output_dir}, where {free / memory.GIB:.1f} GiB are free; keep fewer, or "
+             "choose another run.output_dir")]

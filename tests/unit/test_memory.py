@@ -113,6 +113,11 @@ def test_dry_run_prints_the_table_in_gib():
                            timeout=120)
     assert small.returncode != 0 and "parallelism.host_memory_gib: out of host memory: node 0" in small.stderr
     assert "trainer.optimizer_offload_fraction" in small.stderr and "parallelism.nnodes" in small.stderr
+    # issue 34: the checkpoint's host and disk terms, and the GPU batch settings with their reasons
+    assert "checkpoint save/load (transient) (pageable)" in out.stdout
+    assert "checkpoint_disk_gib:" in out.stdout and "checkpoints on disk at once: 3" in out.stdout
+    assert "batch_settings:" in out.stdout and "max_concurrency: 256" in out.stdout and "in 1 wave(s)" in out.stdout
+    assert "max_tokens_per_micro_batch: 9216" in out.stdout
 
 
 def host(plan, node=0) -> dict[str, tuple[float, bool]]:
@@ -135,7 +140,9 @@ def test_host_memory_counts_the_hybrid_optimizers_16_bytes_per_param_pinned_and_
     assert h["trainer/offloaded Adam moments"] == (pytest.approx(4 * per_rank / 2), False)
     node = plan.hosts[0]
     assert len(plan.hosts) == 1 and node.total == node.pinned + node.pageable
-    assert node.total / GIB == pytest.approx(4 * per_rank + 8 * 4, abs=0.1)  # + 4 GiB runtime per rank and engine GPU
+    transient = h["trainer/checkpoint save/load (transient)"][0]
+    # + 4 GiB runtime per rank and engine GPU, + a checkpoint's peak (its own test)
+    assert node.total / GIB == pytest.approx(4 * per_rank + 8 * 4 + transient, abs=0.1)
     assert plan.host_budget_bytes == 1024 * GIB and plan.hosts_over_budget() == []
     # without the precision-aware optimizer the hybrid pins a copy of the fp32 main shard, which also stays on
     # the GPU (the distributed optimizer keeps it)
@@ -151,7 +158,8 @@ def test_two_nodes_put_the_trainer_on_node_0_and_the_engines_on_node_1():
     n0, n1 = host(plan, 0), host(plan, 1)
     assert "trainer/offloaded Adam moments" in n0 and not any(k.startswith("trainer/") for k in n1)
     assert plan.hosts[1].pinned == 0 and plan.hosts[1].total == 8 * 4 * GIB
-    assert plan.hosts[0].total / GIB == pytest.approx(8 * plan.host_offload_bytes / GIB + 8 * 4, abs=0.1)
+    transient = n0["trainer/checkpoint save/load (transient)"][0]
+    assert plan.hosts[0].total / GIB == pytest.approx(8 * plan.host_offload_bytes / GIB + 8 * 4 + transient, abs=0.1)
 
 
 def test_colocated_sleep_level_1_backs_the_engine_weights_up_in_pinned_host_memory():
@@ -192,3 +200,54 @@ def test_every_shipped_parallelism_fits_qwen3_30b_without_overrides(layout):
     assert plan.host_budget_bytes is not None and plan.hosts_over_budget() == []
     if cfg.parallelism.colocated:
         assert cfg.parallelism.rollout.gpu_memory_utilization < 0.5
+
+
+def local_params(cfg) -> float:
+    """Parameters one trainer rank of a TP 1 / PP 1 layout holds: every dense one, its share of the experts."""
+    counts = param_counts(cfg.model)
+    layers = cfg.model.num_layers
+    return layers * counts.dense_per_layer + counts.embeddings \
+        + layers * counts.experts_per_layer / cfg.parallelism.trainer.expert_parallel
+
+
+def test_checkpoint_host_memory_and_disk_follow_the_optimizer_format():
+    """Issue 34 item 1: fails if the plan forgets the fully reshardable gather (12 B per local parameter: float32
+    parameter and both Adam moments of the rank's model-parallel part, on every rank at load) or the bf16 weights the
+    writer stages from the GPU (2 B), if dp_reshardable is charged for a gather it does not do, if the disk term
+    is not every parameter at 2 + 12 B times run.keep_checkpoints + 1, or if a node that cannot hold the gather is
+    let through without naming trainer.checkpoint_sharding."""
+    cfg = compose(["experiment=qwen3_30b_r3_4p4"])
+    plan = build_plan(cfg).memory
+    local = local_params(cfg)
+    gathered = host(plan)["trainer/checkpoint save/load (transient)"][0]
+    assert gathered == pytest.approx(4 * local * (12 + 2) / GIB, rel=1e-6)
+    flat = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint_sharding=dp_reshardable"])).memory
+    # the optimizer state is offloaded already: only the GPU's weights are staged
+    assert host(flat)["trainer/checkpoint save/load (transient)"][0] == pytest.approx(4 * local * 2 / GIB, rel=1e-6)
+    counts = param_counts(cfg.model)
+    total = cfg.model.num_layers * (counts.dense_per_layer + counts.experts_per_layer) + counts.embeddings
+    assert plan.checkpoint_bytes == int(total * 14) and plan.checkpoints_on_disk == cfg.run.keep_checkpoints + 1 == 3
+    assert build_plan(compose(["experiment=qwen3_30b_r3_4p4", "run.keep_checkpoints=5"])).memory \
+        .checkpoint_disk_bytes == 6 * plan.checkpoint_bytes
+    # a node with room for training but not for the gather: refused naming the format; the other format fits
+    budget = int((plan.hosts[0].total / GIB) - 100)
+    with pytest.raises(ConfigError) as info:
+        compose(["experiment=qwen3_30b_r3_4p4", f"parallelism.host_memory_gib={budget}"])
+    (reason,) = [r for k, r in info.value.problems if k == "parallelism.host_memory_gib"]
+    assert "checkpoint save/load (transient)" in reason and "trainer.checkpoint_sharding=dp_reshardable" in reason
+    compose(["experiment=qwen3_30b_r3_4p4", f"parallelism.host_memory_gib={budget}",
+             "trainer.checkpoint_sharding=dp_reshardable"])
+
+
+def test_launch_refuses_a_disk_that_cannot_hold_the_checkpoints_kept(tmp_path):
+    """Fails if the launch checks stop comparing the free disk under run.output_dir with the checkpoints the run
+    keeps (a run that fills its disk dies at a save, hours in)."""
+    from r3rl.config import compose as compose_config
+    from r3rl.preflight import disk_problems
+
+    cfg = compose_config(["model=tiny_moe", "parallelism=cpu", f"run.output_dir={tmp_path / 'run'}"])
+    assert disk_problems(cfg) == []
+    greedy = compose_config(["model=tiny_moe", "parallelism=cpu", f"run.output_dir={tmp_path / 'run'}",
+                             "run.keep_checkpoints=100000000"])
+    ((key, reason),) = disk_problems(greedy)
+    assert key == "run.keep_checkpoints" and "GiB are free" in reason and str(tmp_path / "run") in reason

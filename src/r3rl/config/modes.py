@@ -1,5 +1,5 @@
 """The names of the recipe, replay and correction options, which routing replay a config runs (``replay.name``
-with ``auto`` resolved against the rollout), and the dtype ``auto`` stands for."""
+with ``auto`` resolved against the rollout), and what ``auto``/``null`` stand for in dtypes and engine concurrency."""
 
 from __future__ import annotations
 
@@ -34,3 +34,15 @@ def resolve_dtype(value: str, device: str) -> str:
     if value != "auto":
         return value
     return "float32" if device == "cpu" else "bfloat16"
+
+
+def engine_concurrency(cfg) -> int:
+    """Samples in flight per engine: ``rollout.engine.max_concurrency``, or when null a GRPO step's samples over the
+    engines (rollout_batch_size x n_samples_per_prompt / engines, rounded up), so that a step goes out in one wave
+    and vLLM's scheduler, not the client, decides what runs (it queues what its KV cache cannot hold)."""
+    set_value = cfg.rollout.engine.max_concurrency
+    if set_value is not None:
+        return set_value
+    engines = 1 if cfg.rollout.engine.url else max(cfg.parallelism.rollout.num_engines, 1)
+    alg = cfg.algorithm
+    return -(-alg.rollout_batch_size * alg.n_samples_per_prompt // engines)

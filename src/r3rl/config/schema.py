@@ -107,7 +107,7 @@ class EngineConfig(Frozen):
     async_scheduling: bool = False
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 600.0
-    max_concurrency: int = 64
+    max_concurrency: Optional[int] = None
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
     cpu_threads: Optional[int] = None

@@ -216,7 +216,8 @@ def validate(cfg: R3RLConfig) -> None:
           f"must look like http://HOST:PORT, got {ro.engine.url!r}")
     check(1024 <= ro.engine.base_port and ro.engine.base_port + par.rollout.num_engines <= 65535,
           "rollout.engine.base_port", f"engines need ports {ro.engine.base_port}..+{par.rollout.num_engines} in 1024-65535")
-    check(ro.engine.max_concurrency >= 1, "rollout.engine.max_concurrency", "must be >= 1")
+    check(ro.engine.max_concurrency is None or ro.engine.max_concurrency >= 1, "rollout.engine.max_concurrency",
+          "must be null or >= 1")
     check(ro.engine.route_store_bytes is None or (ro.routing_replay and ro.engine.route_store_bytes > 0),
           "rollout.engine.route_store_bytes", "is the size of vLLM's route store: null, or > 0 with rollout=vllm_r3")
     for key in ("max_num_seqs", "max_num_batched_tokens"):

@@ -50,9 +50,11 @@ class Evaluator:
     @classmethod
     def from_config(cls, cfg, sets: list[EvalSet], urls, tokenizer: Any, console: Console,
                     record_dir: Path | None = None) -> Evaluator:
+        from r3rl.config.modes import engine_concurrency
+
         m, eng = cfg.model, cfg.rollout.engine
         client = RolloutClient(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
-                               routing_replay=False, max_concurrency=eng.max_concurrency,
+                               routing_replay=False, max_concurrency=engine_concurrency(cfg),
                                request_timeout_s=eng.request_timeout_s)
         episodes = None
         if multi_turn(cfg.env):

@@ -90,8 +90,10 @@ class RolloutClient:
     @classmethod
     def from_config(cls, cfg, urls: Sequence[str], **kwargs) -> RolloutClient:
         """From a validated ``R3RLConfig`` (model shape, rollout.routing_replay, rollout.engine limits)."""
+        from r3rl.config.modes import engine_concurrency
+
         m, eng = cfg.model, cfg.rollout.engine
-        kwargs.setdefault("max_concurrency", eng.max_concurrency)
+        kwargs.setdefault("max_concurrency", engine_concurrency(cfg))
         kwargs.setdefault("request_timeout_s", eng.request_timeout_s)
         return cls(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
                    routing_replay=cfg.rollout.routing_replay, **kwargs)

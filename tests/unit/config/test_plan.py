@@ -166,3 +166,24 @@ def test_weight_transfer_backend_follows_the_layout(compose_cfg):
     assert transfer_config(e.argv) == {"backend": "r3rl_gloo"} and "--enable-sleep-mode" not in e.argv
     (e,) = build_plan(compose_cfg("parallelism=cpu", "rollout.weight_sync.backend=disk")).engines
     assert transfer_config(e.argv) is None
+
+
+def test_gpu_batch_settings_come_from_the_plan(compose_cfg):
+    """Issue 34 item 2: on GPU layouts a GRPO step goes out in one wave (its samples over the engines) and micro
+    batches fill the activation budget the memory plan counts; a value set by hand still wins, and the CPU profile
+    keeps its own. Fails if scale/gpu.yaml stops applying to a GPU parallelism (64 in flight, one sample per micro
+    batch again), or if engine_concurrency ignores the engine count."""
+    from r3rl.config.modes import engine_concurrency
+
+    four = compose(["experiment=qwen3_30b_r3_4p4"])
+    assert engine_concurrency(four) == 32 * 8 and four.trainer.max_tokens_per_micro_batch == 9216
+    settings = describe(four, build_plan(four))["batch_settings"]
+    assert "in 1 wave(s)" in settings["rollout"]["why"] and "253 sequences" in settings["rollout"]["kv_cache"]
+    assert "counted for 9216 tokens" in settings["trainer"]["why"]
+    colocated = compose(["experiment=qwen3_30b_r3_colocated"])  # two engines
+    assert engine_concurrency(colocated) == 128 and colocated.trainer.checkpoint_sharding == "dp_reshardable"
+    fixed = compose(["experiment=qwen3_30b_r3_4p4", "rollout.engine.max_concurrency=64"])
+    assert engine_concurrency(fixed) == 64
+    assert "in 4 wave(s)" in describe(fixed, build_plan(fixed))["batch_settings"]["rollout"]["why"]
+    cpu = compose(["parallelism=cpu"])
+    assert engine_concurrency(cpu) == 256 and cpu.trainer.max_tokens_per_micro_batch == 16384
