@@ -15,7 +15,10 @@ Trainer rank (Megatron, distributed optimizer as Megatron shards it):
   layer's working set is rebuilt at a time. Attention is assumed fused (TransformerEngine / flash): no S x S scores;
 - logits: the output layer's ``[T, vocab / TP]`` in ``params_dtype`` plus the float32 copy the cross entropy works on
   (its gradient is written into that copy in place: 6.05 bytes per logit measured in bf16, ``bench/gpu_memory_probe.py``);
-- runtime: CUDA context, NCCL buffers and allocator slack, a fixed allowance.
+- runtime: CUDA context, NCCL buffers and allocator slack, a fixed allowance;
+- weight sync: while the weights go to launched engines, rank 0 holds two gathered buckets in flight and vLLM's
+  packed chunk of one (``rollout.weight_sync.bucket_mb`` each; colocated, every rank holds the chunk). Counted on
+  every trainer GPU, an upper bound for the others.
 
 Rollout engine (vLLM) GPU: ``gpu_memory_utilization x GPU memory`` is the whole engine share (weights, then KV cache
 in what is left), or weights + ``kv_cache_memory_bytes`` when that is set. Weights: dense layers split over the
@@ -292,8 +295,22 @@ def trainer_parts(cfg: R3RLConfig, params_dtype: str) -> tuple[list[Part], int]:
         Part("activations", int(activations)),
         Part("logits", int(logits)),
         Part("runtime", RUNTIME_BYTES if cfg.parallelism.device == "cuda" else 0),
+        Part("weight sync buffers", sync_buffer_bytes(cfg)),
     ]
     return parts, int(shard * (HOST_GRAD_BYTES + HOST_PARAM_BYTES + HOST_MOMENT_BYTES) * on_host)
+
+
+# buckets a weight sync keeps on the sending GPU: two in flight (r3rl.sync.wires.NcclWire.in_flight) and vLLM's
+# packed chunk of one
+SYNC_BUCKETS = 3
+
+
+def sync_buffer_bytes(cfg: R3RLConfig) -> int:
+    """A trainer GPU's weight-sync working set (GPU layouts with launched engines; the CPU profile's sync runs in
+    host memory and an attached engine reloads from disk)."""
+    if cfg.parallelism.device != "cuda" or cfg.rollout.engine.url:
+        return 0
+    return int(SYNC_BUCKETS * cfg.rollout.weight_sync.bucket_mb * (1 << 20))
 
 
 def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -> list[Part]:

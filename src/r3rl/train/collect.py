@@ -38,7 +38,7 @@ def merge_by_index(local: dict[int, np.ndarray], count: int, what: str) -> list[
 def merge_routes(local: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]], lengths: list[int], num_layers: int,
                  topk: int, dtype: np.dtype) -> list[np.ndarray]:
     """Per-rank ``{sample: {layer: (held_rows_mask, rows)}}`` -> ``[T-1, L, K]`` per sample in ``dtype``."""
-    out = [np.zeros((n, num_layers, topk), dtype=np.int64) for n in lengths]
+    out = [np.zeros((n, num_layers, topk), dtype=dtype) for n in lengths]
     seen = [np.zeros((n, num_layers), dtype=bool) for n in lengths]
     for part in all_gather_dicts(local):
         for index, layers in part.items():
@@ -49,7 +49,7 @@ def merge_routes(local: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]], len
         if not s.all():
             layer = int(np.argwhere(~s)[0][1])
             raise RuntimeError(f"sample {index}, layer {layer}: no rank recorded routes for some tokens")
-    return [r.astype(dtype) for r in out]
+    return out
 
 
 def sum_over(t: torch.Tensor, groups: list) -> torch.Tensor:

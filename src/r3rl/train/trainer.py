@@ -344,16 +344,20 @@ class MegatronTrainer:
         # which (sample slot, position) each of this rank's router rows is, via the tokens' own layout
         slot = self.layout.router_rows(np.repeat(np.arange(batch)[:, None], seq_len, axis=1))
         pos = self.layout.router_rows(np.repeat(np.arange(seq_len)[None, :], batch, axis=0))
-        topk = self.cfg.model.moe_topk
+        from r3rl.sample import routes_dtype
+
+        m = self.cfg.model
+        # the engine's narrow dtype from here on: what all ranks gather (pickled) is 8x smaller than int64
+        narrow = routes_dtype(m.num_experts)
         for layer, idx in self.replay.recorded().items():
-            idx = idx.cpu().numpy()
+            idx = idx.cpu().numpy().astype(narrow)
             for b, (index, ok) in enumerate(zip(mb.indices, valid)):
                 length = samples[index].num_tokens - 1
                 mine = (slot == b) & (pos < length)
                 if not ok or not mine.any():
                     continue
                 held = np.zeros(length, dtype=bool)
-                rows = np.zeros((length, topk), dtype=np.int64)
+                rows = np.zeros((length, m.moe_topk), dtype=narrow)
                 held[pos[mine]] = True
                 rows[pos[mine]] = idx[mine]
                 local.setdefault(index, {})[layer] = (held, rows)
