@@ -21,7 +21,8 @@ fused kernel, math fallback excluded) so it measures what the plan describes; wi
 the same reason the plan side takes ``trainer.precision_aware_optimizer`` as this install runs it (off without TE,
 where r3rl's ``te_fallback`` turns it off: then the float32 master weights stay on the GPU).
 
-    python bench/gpu_memory_probe.py               # on one GPU (scripts/gpu_check.sh runs it)
+    python bench/gpu_memory_probe.py               # on one GPU
+    python bench/gpu_memory_probe.py --layers 2 4  # and the per-layer slope (scripts/gpu_check.sh runs this)
     python bench/gpu_memory_probe.py --plan-only   # anywhere: the plan side only
     python bench/gpu_memory_probe.py --cpu-smoke   # development: a tiny slice through the same code on the CPU
 """
@@ -384,7 +385,9 @@ def run_step(cfg, meter, fused_attention: bool) -> Measured:
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=2, help="decoder layers of the slice (default 2)")
+    p.add_argument("--layers", type=int, nargs="+", default=[2],
+                   help="decoder layers of the slice (default 2); two or more counts also check the plan's per-layer "
+                        "slope (kept inputs, expert weights and their gradients) against the measured one")
     p.add_argument("--plan-only", action="store_true", help="print the plan side only (no GPU needed)")
     p.add_argument("--te", choices=("auto", "yes", "no"), default="auto",
                    help="--plan-only: plan as with TransformerEngine or without (auto: whether it is installed)")
@@ -400,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.plan_only:
         te = have_transformer_engine_installed() if args.te == "auto" else args.te == "yes"
-        cfg = compose_slice(args.layers, te, args.overrides)
+        cfg = compose_slice(args.layers[0], te, args.overrides)
         plan = plan_side(cfg)
         say(describe(cfg, plan, te))
         print("\n".join(plan_rows(plan)))
@@ -419,29 +422,49 @@ def main(argv: list[str] | None = None) -> int:
 
     te = te_fallback.have_transformer_engine()
     extra = (CPU_SMOKE_MODEL if args.cpu_smoke else []) + list(args.overrides)  # the command line wins
-    cfg = compose_slice(args.layers, te, extra)
-    plan = plan_side(cfg)
-    say(describe(cfg, plan, te))
     if te:
         say("attention: TransformerEngine's fused attention (r3rl's spec as is)")
     else:
         use_fused_attention()
         say("attention: torch scaled_dot_product_attention (fused) in place of Megatron's local DotProductAttention "
             "(no TransformerEngine; the plan assumes fused attention)")
+    if not args.cpu_smoke:
+        say(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    points = []  # (layers, plan, measured)
+    for layers in args.layers:
+        cfg = compose_slice(layers, te, extra)
+        plan = plan_side(cfg)
+        say(describe(cfg, plan, te))
+        if args.cpu_smoke:
+            got = run_step(cfg, NullMeter(), fused_attention=not te)
+            say(f"cpu smoke: one step ran in {got.seconds:.1f}s, loss {got.loss:.4f}, grad norm {got.grad_norm:.4f}; "
+                "no memory measured on a CPU")
+            if not (math.isfinite(got.loss) and math.isfinite(got.grad_norm)):
+                return 1
+            continue
+        got = run_step(cfg, CudaMeter(), fused_attention=not te)
+        torch.cuda.empty_cache()  # the next slice's reserved-memory figures start from nothing cached
+        print("\n".join(comparison_rows(plan, got)))
+        points.append((layers, plan, got))
     if args.cpu_smoke:
-        got = run_step(cfg, NullMeter(), fused_attention=not te)
-        say(f"cpu smoke: one step ran in {got.seconds:.1f}s, loss {got.loss:.4f}, grad norm {got.grad_norm:.4f}; "
-            "no memory measured on a CPU")
-        return 0 if math.isfinite(got.loss) and math.isfinite(got.grad_norm) else 1
+        return 0
 
-    say(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    got = run_step(cfg, CudaMeter(), fused_attention=not te)
-    print("\n".join(comparison_rows(plan, got)))
-    ratio = plan.allocator_total / got.step_peak
     low, high = RATIO_RANGE
+    layers, plan, got = points[0]
+    ratio = plan.allocator_total / got.step_peak
     verdict = "within" if low <= ratio <= high else "OUTSIDE"
-    say(f"one step in {got.seconds:.1f}s (loss {got.loss:.4f}, grad norm {got.grad_norm:.3f}); build peak "
-        f"{gib(got.build_peak)} GiB; plan/measured {ratio:.2f} {verdict} [{low}, {high}]")
+    say(f"{layers} layers: one step in {got.seconds:.1f}s (loss {got.loss:.4f}, grad norm {got.grad_norm:.3f}); "
+        f"build peak {gib(got.build_peak)} GiB; plan/measured {ratio:.2f} {verdict} [{low}, {high}]")
+    if len(points) > 1:
+        (l0, p0, g0), (l1, p1, g1) = points[0], points[-1]
+        planned = (p1.allocator_total - p0.allocator_total) / (l1 - l0)
+        measured = (g1.step_peak - g0.step_peak) / (l1 - l0)
+        slope = planned / measured if measured > 0 else float("inf")
+        slope_ok = low <= slope <= high
+        verdict = "within" if verdict == "within" and slope_ok else "OUTSIDE"
+        say(f"per layer ({l0} -> {l1} layers): plan {gib(planned)} GiB, measured {gib(measured)} GiB, "
+            f"plan/measured {slope:.2f} {'within' if slope_ok else 'OUTSIDE'} [{low}, {high}]")
+        print(f"memory plan/measured per layer: {slope:.2f}", flush=True)
     print(f"memory plan/measured: {ratio:.2f}", flush=True)
     return 0 if verdict == "within" else OUTSIDE_EXIT
 

@@ -9,9 +9,10 @@
 #      half runs (`after_stream` orders a pack on another stream after a slow writer): NcclWire's race test and the
 #      IPC wire test drive vLLM's own producer and consumer, and vLLM is too large to travel, so the summary names
 #      them "not checked (no vLLM)"; on a machine where vLLM imports they run. The NCCL wire test needs two GPUs;
-#   3. the memory probe (bench/gpu_memory_probe.py): a Qwen3-30B-A3B-width slice (2 layers; real width, 128 experts,
-#      top-8, real vocab) through one training step at the planned micro-batch tokens, each term's measured bytes
-#      next to r3rl.memory's estimate; passes when `memory plan/measured` is within 0.9-1.2. Without TE it runs the
+#   3. the memory probe (bench/gpu_memory_probe.py): Qwen3-30B-A3B-width slices (2 and 4 layers; real width, 128
+#      experts, top-8, real vocab) through one training step at the planned micro-batch tokens, each term's measured
+#      bytes next to r3rl.memory's estimate; passes when `memory plan/measured` (2 layers) and its per-layer slope
+#      (2 -> 4) are within 0.9-1.2. Without TE it runs the
 #      attention through torch's fused SDPA, as the plan assumes fused attention (see the probe's docstring).
 #
 #   scripts/gpu_check.sh --download   # here, with network: puts the wheels in scripts/gpu_check_wheels/ (~3.2 MB,
@@ -19,8 +20,8 @@
 #   scripts/gpu_check.sh [pytest args] # there: installs the wheels offline, runs the tests, then the probe
 #
 # What the GPU machine must already have: torch with CUDA, numpy, transformers, tokenizers, safetensors, PyYAML,
-# packaging, pytest, pytest-timeout, and ~40 GiB of free host memory (the probe's CPU-offloaded optimizer). What
-# travels: Megatron-core 0.19.x (Python 3.12 only), the config stack (hydra-core, omegaconf, antlr4-python3-runtime)
+# packaging, pytest, pytest-timeout, and ~60 GiB of free host memory (the probe's CPU-offloaded optimizer). What
+# travels: Megatron-core 0.19.x (Python 3.12 only), the config stack (hydra-core, omegaconf, antlr4-python3-runtime), psutil
 # and httpx with its dependencies (installed only when the machine's Python lacks httpx), all pure Python or small.
 # vLLM and TransformerEngine are too large to travel, so the engine is not checked here and Megatron runs its local
 # (non-TE) spec.
@@ -30,13 +31,14 @@ PY="${PYTHON:-python3}"
 WHEELS=scripts/gpu_check_wheels
 # the versions pyproject's trainer extra and base dependencies resolve to; antlr 4.9.3 (hydra's pin) is an sdist only
 MEGATRON=megatron-core==0.19.2
-CONFIG_STACK=(hydra-core==1.3.8 omegaconf==2.3.1)
+# psutil: Megatron's dist_checkpointing writer needs it at every checkpoint save
+CONFIG_STACK=(hydra-core==1.3.8 omegaconf==2.3.1 psutil==7.2.2)
 ANTLR=antlr4-python3-runtime==4.9.3
 # the weight-sync wires' client side (r3rl.sync) imports httpx; pure-Python wheels, as .venv-trainer resolves them
 HTTPX_STACK=(httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 idna==3.20 certifi==2026.10.19.post1)
-# seconds: the whole check, and the share kept for the memory probe (it takes about a minute on an H200)
-BUDGET=480
-PROBE_RESERVE=150
+# seconds: the whole check, and the share kept for the memory probe (two slices, about a minute each on an H200)
+BUDGET=540
+PROBE_RESERVE=210
 GPU_TESTS=(tests/integration/train tests/unit/train tests/integration/rollout/test_gpu_wire_streams.py
            tests/integration/rollout/test_gpu_wires.py)
 
@@ -124,7 +126,7 @@ ratio="not measured"
 if [ $rc -ne 124 ]; then
   left=$(( BUDGET - ($(date +%s) - start) ))
   set +e
-  timeout $(( left > 60 ? left : 60 )) "$PY" bench/gpu_memory_probe.py 2>&1 | tee "$site/probe.log"
+  timeout $(( left > 60 ? left : 60 )) "$PY" bench/gpu_memory_probe.py --layers 2 4 2>&1 | tee "$site/probe.log"
   probe_rc=${PIPESTATUS[0]}
   set -e
   ratio=$(sed -n 's/^memory plan\/measured: //p' "$site/probe.log" | tail -n 1)
