@@ -67,6 +67,7 @@ class Recipe:
         self.engine_version: int | None = None  # the weight version the engines serve (None: the HF checkpoint's)
         self.stop = False
         self.unlogged: dict[str, float] | None = None  # a step's metrics whose eval point SIGTERM interrupted
+        self.pending_save: tuple[Path, checkpoint.CheckpointMeta] | None = None  # written in the background
         self.start_step = 1
 
     # ------------------------------------------------------------------ setup
@@ -240,14 +241,42 @@ class Recipe:
         return self.dataset.state_dict()
 
     def save(self, step: int) -> Path:
+        """Step ``step``'s checkpoint (its folder). With ``trainer.checkpoint.async_save`` the trainer ranks write it
+        in the background and it is published at a later step (``poll_save``), except after the last step or
+        SIGTERM, which wait for it."""
+        self.finish_save()  # one background save at a time
         meta = checkpoint.CheckpointMeta(step=step, wandb_run_id=self.logger.run_id if self.logger else None,
                                          data_state=self.data_state(), weight_version=step,
                                          unlogged_metrics=self.unlogged)
-        return checkpoint.save(self.run_dir, meta,
-                               lambda d: self.trainers.call("save_checkpoint", d / checkpoint.TRAINER_DIR, {}),
-                               keep=self.cfg.run.keep_checkpoints)
+        folder = checkpoint.begin(self.run_dir, step)
+        self.trainers.call("save_checkpoint", folder / checkpoint.TRAINER_DIR, {})
+        self.pending_save = (folder, meta)
+        if not self.cfg.trainer.checkpoint.async_save or self.stop or step == self.cfg.run.num_steps:
+            self.finish_save()
+        return checkpoint.checkpoint_root(self.run_dir) / checkpoint.step_dir_name(step)
+
+    def poll_save(self) -> None:
+        """Publish the background save once every trainer rank finished writing it (a collective check)."""
+        if self.pending_save is not None and self.trainers.call("poll_saves"):
+            self._publish_save()
+
+    def finish_save(self) -> None:
+        """Wait for the background save, if any, and publish it."""
+        if self.pending_save is not None:
+            self.trainers.call("finish_saves")
+            self._publish_save()
+
+    def _publish_save(self) -> None:
+        folder, meta = self.pending_save
+        self.pending_save = None
+        checkpoint.publish(self.run_dir, folder, meta, keep=self.cfg.run.keep_checkpoints)
 
     def cleanup(self) -> None:
+        if self.pending_save is not None and self.trainers is not None:
+            try:  # a save still in the background when the run ended otherwise (an error): keep it if it completes
+                self.finish_save()
+            except Exception as err:  # the trainer ranks themselves may be what failed
+                console.print(f"[yellow]the background checkpoint was not finished: {err}[/]")
         if self.engine_set is not None:
             self.engine_set.close()
         for part in (self.engines, self.trainers):

@@ -108,6 +108,8 @@ class GRPORecipe(common.Recipe):
                 bar.advance(task)
                 if step % cfg.run.save_every == 0 or step == cfg.run.num_steps or self.stop:
                     self.save(step)
+                else:
+                    self.poll_save()
                 if self.stop:
                     raise StopRequested(step)
 

@@ -46,14 +46,28 @@ def step_dir_name(step: int) -> str:
 
 def save(run_dir: Path, meta: CheckpointMeta, write_state: Callable[[Path], None], keep: int = 2) -> Path:
     """Write a checkpoint: ``write_state(folder)`` stores the trainer state, then meta.json, then ``latest``."""
+    folder = begin(run_dir, meta.step)
+    write_state(folder)
+    return publish(run_dir, folder, meta, keep)
+
+
+def begin(run_dir: Path, step: int) -> Path:
+    """The temporary folder step ``step``'s checkpoint is written into (emptied if a crash left one)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(meta.step)
-    tmp = root / f".{final.name}.partial"
+    tmp = root / f".{step_dir_name(step)}.partial"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    write_state(tmp)
+    return tmp
+
+
+def publish(run_dir: Path, tmp: Path, meta: CheckpointMeta, keep: int = 2) -> Path:
+    """Once the trainer state in ``tmp`` is complete: meta.json, the folder's final name, then ``latest``
+    (atomically), and the oldest checkpoints beyond ``keep`` removed."""
+    root = checkpoint_root(run_dir)
+    read_complete(tmp / TRAINER_DIR)  # never name a checkpoint whose trainer state is unfinished
+    final = root / step_dir_name(meta.step)
     (tmp / META).write_text(json.dumps(asdict(meta), indent=2))
     if final.exists():
         shutil.rmtree(final)

@@ -198,7 +198,7 @@ def checkpoint_host_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
     tr, cuda = cfg.trainer, cfg.parallelism.device == "cuda"
     local = _local_params(cfg)
     gathered = local * OPTIMIZER_CHECKPOINT_BYTES if tr.use_distributed_optimizer and \
-        tr.checkpoint_sharding == "fully_reshardable" else 0
+        tr.checkpoint.sharding == "fully_reshardable" else 0
     staged = 0.0
     if cuda:  # on a CPU the writer reads the tensors where they are
         staged = local * DTYPE_BYTES[params_dtype]
@@ -388,7 +388,7 @@ TRAINER_FIXES = ("trainer.optimizer_cpu_offload=true", "trainer.recompute_granul
 ENGINE_FIXES = ("rollout.engine.gpu_memory_utilization or parallelism.rollout.gpu_memory_utilization (smaller on "
                 "colocated GPUs)",)
 # keys that shrink a node's host memory, named when a plan does not fit parallelism.host_memory_gib
-HOST_FIXES = ("trainer.checkpoint_sharding=dp_reshardable (checkpoints without the host gather of the optimizer "
+HOST_FIXES = ("trainer.checkpoint.sharding=dp_reshardable (checkpoints without the host gather of the optimizer "
               "state; a resume then keeps the layout)",
               "trainer.optimizer_offload_fraction (smaller: fewer optimizer bytes in host memory, more on the GPU)",
               "parallelism.nnodes with parallelism.trainer.num_gpus (the trainer over more nodes: fewer ranks per "
@@ -401,8 +401,8 @@ def host_fixes(cfg: R3RLConfig) -> list[str]:
     tr = cfg.trainer
     out = [k for k in HOST_FIXES
            if not (k.startswith("trainer.optimizer_offload_fraction") and not tr.optimizer_cpu_offload)
-           and not (k.startswith("trainer.checkpoint_sharding") and
-                    (tr.checkpoint_sharding == "dp_reshardable" or not tr.use_distributed_optimizer))]
+           and not (k.startswith("trainer.checkpoint.sharding") and
+                    (tr.checkpoint.sharding == "dp_reshardable" or not tr.use_distributed_optimizer))]
     if cfg.parallelism.colocated and cfg.rollout.weight_sync.sleep_level == 1:
         out.insert(0, "rollout.weight_sync.sleep_level=2 (the engines drop their weights instead of backing them up)")
     return out

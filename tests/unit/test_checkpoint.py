@@ -1,13 +1,22 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from r3rl import checkpoint as ckpt
 
 
+def complete_trainer_state(folder):
+    """What a finished trainer save leaves (r3rl.train.checkpoint), without any tensor."""
+    (folder / ckpt.TRAINER_DIR).mkdir()
+    (folder / ckpt.TRAINER_DIR / ckpt.COMPLETE).write_text(json.dumps({"format": ckpt.TRAINER_FORMAT}))
+
+
 def write(tag):
     def _write(folder):
         (folder / "state.txt").write_text(tag)
+        complete_trainer_state(folder)
 
     return _write
 
@@ -36,3 +45,16 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tmp_path):
     assert ckpt.latest(tmp_path).name == "step_000001"
     ckpt.save(tmp_path, ckpt.CheckpointMeta(step=2), write("s2"))  # the leftover partial folder is replaced
     assert ckpt.read_meta(ckpt.latest(tmp_path)).step == 2
+
+
+def test_an_unfinished_trainer_state_is_never_published(tmp_path):
+    """An async save publishes its folder only once the trainer ranks finished writing (their COMPLETE). Fails if
+    ``publish`` names a checkpoint, and points ``latest`` at it, before that."""
+    ckpt.save(tmp_path, ckpt.CheckpointMeta(step=1), write("s1"))
+    folder = ckpt.begin(tmp_path, 2)
+    (folder / ckpt.TRAINER_DIR).mkdir()  # the ranks are still writing
+    with pytest.raises(FileNotFoundError, match="COMPLETE"):
+        ckpt.publish(tmp_path, folder, ckpt.CheckpointMeta(step=2))
+    assert ckpt.latest(tmp_path).name == "step_000001"
+    (folder / ckpt.TRAINER_DIR / ckpt.COMPLETE).write_text(json.dumps({"format": ckpt.TRAINER_FORMAT}))
+    assert ckpt.publish(tmp_path, folder, ckpt.CheckpointMeta(step=2)) == ckpt.latest(tmp_path)

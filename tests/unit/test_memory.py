@@ -215,13 +215,13 @@ def test_checkpoint_host_memory_and_disk_follow_the_optimizer_format():
     parameter and both Adam moments of the rank's model-parallel part, on every rank at load) or the bf16 weights the
     writer stages from the GPU (2 B), if dp_reshardable is charged for a gather it does not do, if the disk term
     is not every parameter at 2 + 12 B times run.keep_checkpoints + 1, or if a node that cannot hold the gather is
-    let through without naming trainer.checkpoint_sharding."""
+    let through without naming trainer.checkpoint.sharding."""
     cfg = compose(["experiment=qwen3_30b_r3_4p4"])
     plan = build_plan(cfg).memory
     local = local_params(cfg)
     gathered = host(plan)["trainer/checkpoint save/load (transient)"][0]
     assert gathered == pytest.approx(4 * local * (12 + 2) / GIB, rel=1e-6)
-    flat = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint_sharding=dp_reshardable"])).memory
+    flat = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint.sharding=dp_reshardable"])).memory
     # the optimizer state is offloaded already: only the GPU's weights are staged
     assert host(flat)["trainer/checkpoint save/load (transient)"][0] == pytest.approx(4 * local * 2 / GIB, rel=1e-6)
     counts = param_counts(cfg.model)
@@ -234,9 +234,9 @@ def test_checkpoint_host_memory_and_disk_follow_the_optimizer_format():
     with pytest.raises(ConfigError) as info:
         compose(["experiment=qwen3_30b_r3_4p4", f"parallelism.host_memory_gib={budget}"])
     (reason,) = [r for k, r in info.value.problems if k == "parallelism.host_memory_gib"]
-    assert "checkpoint save/load (transient)" in reason and "trainer.checkpoint_sharding=dp_reshardable" in reason
+    assert "checkpoint save/load (transient)" in reason and "trainer.checkpoint.sharding=dp_reshardable" in reason
     compose(["experiment=qwen3_30b_r3_4p4", f"parallelism.host_memory_gib={budget}",
-             "trainer.checkpoint_sharding=dp_reshardable"])
+             "trainer.checkpoint.sharding=dp_reshardable"])
 
 
 def test_launch_refuses_a_disk_that_cannot_hold_the_checkpoints_kept(tmp_path):

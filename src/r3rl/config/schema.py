@@ -143,6 +143,12 @@ class RolloutConfig(Frozen):
 
 
 @dataclass
+class TrainerCheckpointConfig(Frozen):
+    sharding: str = "fully_reshardable"
+    async_save: bool = False
+
+
+@dataclass
 class TrainerConfig(Frozen):
     name: str = "megatron"
     params_dtype: str = "auto"
@@ -163,7 +169,7 @@ class TrainerConfig(Frozen):
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     precision_aware_optimizer: bool = False
-    checkpoint_sharding: str = "fully_reshardable"
+    checkpoint: TrainerCheckpointConfig = field(default_factory=TrainerCheckpointConfig)
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
 
 

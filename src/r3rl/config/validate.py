@@ -284,8 +284,8 @@ def validate(cfg: R3RLConfig) -> None:
     check(tr.params_dtype in DTYPES, "trainer.params_dtype", f"must be one of {DTYPES}, got {tr.params_dtype!r}")
     check(tr.moe_token_dispatcher_type in DISPATCHERS, "trainer.moe_token_dispatcher_type",
           f"must be one of {DISPATCHERS}, got {tr.moe_token_dispatcher_type!r}")
-    check(tr.checkpoint_sharding in CHECKPOINT_SHARDINGS, "trainer.checkpoint_sharding",
-          f"must be one of {CHECKPOINT_SHARDINGS}, got {tr.checkpoint_sharding!r}")
+    check(tr.checkpoint.sharding in CHECKPOINT_SHARDINGS, "trainer.checkpoint.sharding",
+          f"must be one of {CHECKPOINT_SHARDINGS}, got {tr.checkpoint.sharding!r}")
     check(tr.recompute_granularity in RECOMPUTE, "trainer.recompute_granularity",
           f"must be one of {RECOMPUTE}, got {tr.recompute_granularity!r}")
     check(tr.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")

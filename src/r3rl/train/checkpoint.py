@@ -58,10 +58,23 @@ def rng_file(folder: Path, rank: int) -> Path:
     return folder / RNG_DIR / f"rank{rank:05d}.pt"
 
 
+def _async_options() -> dict[str, Any]:
+    """Megatron-core 0.19's save takes an async strategy, and its default ("nvrx") needs a package r3rl does not
+    install; 0.16 has one way only."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
+        else {}
+
+
 def save(path: str | Path, state: dict[str, Any], *, rank: int, world_size: int, layout: Any, rng: dict[str, Any],
-         info: dict[str, Any]) -> Path:
+         info: dict[str, Any], queue: Any = None) -> Path:
     """Collective: write ``state`` (a sharded state dict: ShardedTensors plus common plain values, identical on
-    every rank) and this rank's ``rng``; ``info`` goes into ``COMPLETE``. Returns the final folder."""
+    every rank) and this rank's ``rng``; ``info`` goes into ``COMPLETE``. Returns the final folder. With ``queue``
+    (Megatron's ``AsyncCallsQueue``) the tensors are staged now and written in the background; the folder gets its
+    name when the queue finalizes the save (``AsyncCallsQueue.maybe_finalize_async_calls``, collective)."""
     from megatron.core import dist_checkpointing
 
     final = Path(path)
@@ -71,19 +84,29 @@ def save(path: str | Path, state: dict[str, Any], *, rank: int, world_size: int,
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategy())  # ends with a barrier
-    if rank == 0:
-        (tmp / RNG_DIR).mkdir()
-    _barrier()
-    torch.save({"rng": rng, "layout": dataclasses.asdict(layout), "world_size": world_size}, rng_file(tmp, rank))
-    _barrier()
-    if rank == 0:
-        record = {"format": TRAINER_FORMAT, "world_size": world_size, "layout": dataclasses.asdict(layout), **info}
-        (tmp / COMPLETE).write_text(json.dumps(record, indent=1) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    _barrier()
+
+    def complete() -> None:  # after every rank's shards are written (Megatron's own finalizers ran first)
+        if rank == 0:
+            (tmp / RNG_DIR).mkdir(exist_ok=True)
+        _barrier()
+        torch.save({"rng": rng, "layout": dataclasses.asdict(layout), "world_size": world_size}, rng_file(tmp, rank))
+        _barrier()
+        if rank == 0:
+            record = {"format": TRAINER_FORMAT, "world_size": world_size, "layout": dataclasses.asdict(layout), **info}
+            (tmp / COMPLETE).write_text(json.dumps(record, indent=1) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        _barrier()
+
+    if queue is None:
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategy())  # ends with a barrier
+        complete()
+    else:
+        request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_strategy(), async_sharded_save=True,
+                                          **_async_options())
+        request.add_finalize_fn(complete)
+        queue.schedule_async_request(request)
     return final
 
 

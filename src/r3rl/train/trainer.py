@@ -71,6 +71,7 @@ class MegatronTrainer:
         self.routers: list = []
         self.replay = None
         self._weight_stream: export.HFBucketStream | None = None
+        self._saves = None  # Megatron's AsyncCallsQueue, once an async checkpoint save was scheduled
         par = cfg.parallelism.trainer
         self.info = distributed.init(
             distributed.Layout(par.tensor_parallel, par.pipeline_parallel, par.expert_parallel,
@@ -633,9 +634,9 @@ class MegatronTrainer:
 
     @property
     def optimizer_format(self) -> str:
-        """How checkpoints store the optimizer state (``trainer.checkpoint_sharding`` for Megatron's distributed
+        """How checkpoints store the optimizer state (``trainer.checkpoint.sharding`` for Megatron's distributed
         optimizer; the other optimizers' state is in the model's shapes, as fully_reshardable's)."""
-        return self.cfg.trainer.checkpoint_sharding if self.settings.use_distributed_optimizer \
+        return self.cfg.trainer.checkpoint.sharding if self.settings.use_distributed_optimizer \
             else "fully_reshardable"
 
     def _check_optimizer_format(self, path: str | Path, info: dict) -> None:
@@ -644,7 +645,7 @@ class MegatronTrainer:
         saved, here = info["layout"], dataclasses.asdict(self.info.layout)
         if not self.settings.use_distributed_optimizer or saved != here:
             raise ValueError(
-                f"{path}: its optimizer state was saved with trainer.checkpoint_sharding=dp_reshardable under layout "
+                f"{path}: its optimizer state was saved with trainer.checkpoint.sharding=dp_reshardable under layout "
                 f"{saved}, which only Megatron's distributed optimizer under that same layout (any data-parallel "
                 f"size) reads; this trainer runs {here}"
                 + ("" if self.settings.use_distributed_optimizer else " without the distributed optimizer")
@@ -652,16 +653,39 @@ class MegatronTrainer:
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
         """Collective: the model, the optimizer (once it has stepped: before that a fresh one is the state), the
-        optimizer step and ``extra`` in Megatron's distributed format; every rank writes its shards."""
+        optimizer step and ``extra`` in Megatron's distributed format; every rank writes its shards. With
+        ``trainer.checkpoint.async_save`` the state is staged now and written in the background: the folder
+        appears once ``poll_saves`` or ``finish_saves`` finalized it."""
         stepped = self.optimizer.stepped
         state = self._sharded_state(optimizer=stepped, is_loading=False, optimizer_format=self.optimizer_format)
         # common values: rank 0's copy is the one stored, so nothing per rank goes here (RNG has its own files)
         state["r3rl"] = {"optimizer_step": self.optimizer_step, "model_name": self.cfg.model.name,
                          "adam_step": self.optimizer.adam_step if stepped else 0, "extra": dict(extra or {})}
+        queue = self._save_queue() if self.cfg.trainer.checkpoint.async_save else None
         return checkpoint.save(path, state, rank=self.info.rank, world_size=self.info.world_size,
-                               layout=self.info.layout, rng=self._rng_state(),
+                               layout=self.info.layout, rng=self._rng_state(), queue=queue,
                                info={"optimizer_step": self.optimizer_step, "optimizer_state": stepped,
                                      "optimizer_format": self.optimizer_format, "model_name": self.cfg.model.name})
+
+    def _save_queue(self):
+        if self._saves is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            # a writer process forked per save: the persistent one would be sent live tensors through a queue
+            self._saves = AsyncCallsQueue(persistent=False)
+        return self._saves
+
+    def poll_saves(self) -> bool:
+        """Collective: finalize the background saves every rank has finished writing; True when none is left."""
+        if self._saves is None:
+            return True
+        self._saves.maybe_finalize_async_calls(blocking=False)
+        return self._saves.get_num_unfinalized_calls() == 0
+
+    def finish_saves(self) -> None:
+        """Collective: wait for the background saves and finalize them."""
+        if self._saves is not None:
+            self._saves.maybe_finalize_async_calls(blocking=True)
 
     def load_checkpoint(self, path: str | Path, *, optimizer: bool = True) -> dict:
         """Collective: restore a checkpoint saved under any parallel layout; the RNG too when the layout is this
@@ -704,6 +728,10 @@ class MegatronTrainer:
             self.replay.clear()
         if self.routers:
             forget_instances(self.routers)
+        if self._saves is not None and self._saves.get_num_unfinalized_calls():
+            # shutdown goes rank by rank, and finalizing is collective: what was not finished stays a .partial
+            self._saves.close(abort=True)
+        self._saves = None
         checkpoint.close_writer()
         self.model = self.bare = self.ref_model = self.optimizer = self._weight_stream = None
         self.routers = []

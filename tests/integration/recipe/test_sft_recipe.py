@@ -16,9 +16,10 @@ from .conftest import EVAL_KEYS, assert_nothing_left, run_recipe, wandb_runs
 pytestmark = pytest.mark.integration
 
 SFT_KEYS = (M.SFT_LOSS, M.SFT_GRAD_NORM, M.SFT_TOKENS_PER_S, M.SFT_LOSS_TOKENS, M.SFT_LR)
-# 3 steps of 16 solutions at a step large enough for the tiny model, evaluated before the first step and at the end
+# 3 steps of 16 solutions at a step large enough for the tiny model, evaluated before the first step and at the end;
+# checkpoints every step written in the background (each published at the next step, the last one waited for)
 SFT_RUN = ("recipe=sft", "run.num_steps=3", "run.eval_every=3", "trainer.lr=1e-3",
-           "trainer.max_tokens_per_micro_batch=512")
+           "trainer.max_tokens_per_micro_batch=512", "trainer.checkpoint.async_save=true")
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +34,8 @@ def sft_run(tmp_path_factory, tiny_model_dir):
 def test_sft_run_logs_loss_and_eval_points_and_writes_an_hf_checkpoint(sft_run):
     """Fails if the SFT recipe stops logging sft/* every step or the eval points of GRPO (before the first step and
     at the end, on the weights trained so far), if its loss does not fall, if it leaves no checkpoint, no HF folder
-    or a process running."""
+    or a process running (Megatron's forked checkpoint writers included), or if a background save is never
+    published or the last one not waited for."""
     run_dir, stdout, _ = sft_run
     (run,) = wandb_runs(run_dir)
     steps = {row["_step"]: row for row in run.history}
@@ -52,6 +54,8 @@ def test_sft_run_logs_loss_and_eval_points_and_writes_an_hf_checkpoint(sft_run):
     # an SFT run is not filed under R3 on/off in the dashboard
     assert "recipe:sft" in run.tags and not any(t.startswith(("r3:", "replay:")) for t in run.tags)
     assert checkpoint.read_meta(checkpoint.latest(run_dir)).step == 3
+    root = checkpoint.checkpoint_root(run_dir)
+    assert sorted(p.name for p in root.iterdir() if p.name != checkpoint.LATEST) == ["step_000002", "step_000003"]
     hf = run_dir / "hf"
     assert (hf / "config.json").is_file() and (hf / "model.safetensors.index.json").is_file()
     assert (hf / "tokenizer.json").is_file() and not (hf / "r3rl_generated.json").exists()

@@ -24,7 +24,7 @@ WORKER_NAME = "megatron_distopt_worker.py"
 BUDGET = ["trainer.max_tokens_per_micro_batch=48"]
 # the checkpoint in Megatron's no-gather format (each rank's own buffers; the reshardable one has its own test)
 DISTOPT = ["trainer.use_distributed_optimizer=true", "trainer.micro_batch_size=2", *BUDGET,
-           "trainer.checkpoint_sharding=dp_reshardable"]
+           "trainer.checkpoint.sharding=dp_reshardable"]
 MEMORY_PARTS = ("weights", "gradients", "master weights", "optimizer state")
 
 

@@ -43,7 +43,7 @@ def test_distributed_optimizer_with_cpu_offload_steps_and_resumes(batch, tmp_pat
     from r3rl.train import cpu_compat, te_fallback
 
     samples, adv = batch
-    trainer = make(f"trainer.checkpoint_sharding={sharding}")
+    trainer = make(f"trainer.checkpoint.sharding={sharding}")
     try:
         assert not cpu_compat.is_active() and trainer.device.type == "cuda"
         parts = trainer.optimizer._parts()

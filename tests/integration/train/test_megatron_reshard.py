@@ -119,14 +119,40 @@ def test_the_old_per_rank_format_is_refused_by_name(new_trainer, tmp_path):
 
 def test_a_dp_reshardable_checkpoint_is_refused_under_another_optimizer(new_trainer, tmp_path):
     """Megatron's dp_reshardable optimizer state (each rank's flat buffers) only fits the distributed optimizer of
-    the same layout; loading it anywhere else is refused naming trainer.checkpoint_sharding, before Megatron's
+    the same layout; loading it anywhere else is refused naming trainer.checkpoint.sharding, before Megatron's
     loader fails on missing keys. Fails if ``_check_optimizer_format`` stops checking."""
     samples = build_samples(4, 44)
     with_routes(samples, random_routes(samples, 4, 2, 8, seed=44))
     adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
-    saver = new_trainer("algorithm.global_batch_size=4", *DISTOPT, "trainer.checkpoint_sharding=dp_reshardable")
+    saver = new_trainer("algorithm.global_batch_size=4", *DISTOPT, "trainer.checkpoint.sharding=dp_reshardable")
     saver.train_step(samples, adv, replay=True)
     folder = saver.save_checkpoint(tmp_path / "ckpt")
     assert json.loads((folder / "COMPLETE").read_text())["optimizer_format"] == "dp_reshardable"
-    with pytest.raises(ValueError, match="trainer.checkpoint_sharding=dp_reshardable.*without the distributed"):
+    with pytest.raises(ValueError, match="trainer.checkpoint.sharding=dp_reshardable.*without the distributed"):
         new_trainer("algorithm.global_batch_size=4").load_checkpoint(folder)
+
+
+def test_an_async_save_holds_the_state_of_its_step_while_training_goes_on(new_trainer, tmp_path):
+    """trainer.checkpoint.async_save: the save returns before the files are written, the next step changes every
+    weight meanwhile, and the finished checkpoint still holds the weights and Adam state of the step it was taken
+    at (the next step after loading equals the one taken straight after the save). Fails if the background writer
+    reads live tensors instead of their state at the save, if the folder gets its name before every shard is
+    written, or if finalizing is skipped."""
+    samples = build_samples(4, 45)
+    with_routes(samples, random_routes(samples, 4, 2, 8, seed=45))
+    adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
+    trainer = new_trainer("algorithm.global_batch_size=4", "trainer.checkpoint.async_save=true")
+    trainer.train_step(samples, adv, replay=True)
+    at_save = trainer.logprobs(samples, replay=True).logprobs
+    folder = trainer.save_checkpoint(tmp_path / "ckpt", extra={"n": 1})
+    straight = trainer.train_step(samples, adv, replay=True)  # while the writer runs
+    assert max_diff(trainer.logprobs(samples, replay=True).logprobs, at_save) > 1e-4
+    trainer.finish_saves()
+    assert trainer.poll_saves() and (folder / "COMPLETE").is_file() and not (tmp_path / ".ckpt.partial").exists()
+
+    resumed = new_trainer("algorithm.global_batch_size=4")
+    assert resumed.load_checkpoint(folder) == {"n": 1}
+    assert max_diff(resumed.logprobs(samples, replay=True).logprobs, at_save) == 0.0
+    again = resumed.train_step(samples, adv, replay=True)
+    for metric in ("loss", "grad_norm", "lr", "step"):
+        assert again[metric] == straight[metric], metric

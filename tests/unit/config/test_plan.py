@@ -181,7 +181,7 @@ def test_gpu_batch_settings_come_from_the_plan(compose_cfg):
     assert "in 1 wave(s)" in settings["rollout"]["why"] and "253 sequences" in settings["rollout"]["kv_cache"]
     assert "counted for 9216 tokens" in settings["trainer"]["why"]
     colocated = compose(["experiment=qwen3_30b_r3_colocated"])  # two engines
-    assert engine_concurrency(colocated) == 128 and colocated.trainer.checkpoint_sharding == "dp_reshardable"
+    assert engine_concurrency(colocated) == 128 and colocated.trainer.checkpoint.sharding == "dp_reshardable"
     fixed = compose(["experiment=qwen3_30b_r3_4p4", "rollout.engine.max_concurrency=64"])
     assert engine_concurrency(fixed) == 64
     assert "in 4 wave(s)" in describe(fixed, build_plan(fixed))["batch_settings"]["rollout"]["why"]

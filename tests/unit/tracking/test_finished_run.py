@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -30,9 +31,15 @@ def finished_run(tmp_path_factory, make_step_metrics):
         for step in range(1, STEPS + 1):
             logger.log(make_step_metrics(step, r3=True), step=step)
             checkpoint.save(run_dir, checkpoint.CheckpointMeta(step=step, wandb_run_id=logger.run_id),
-                            lambda d: (d / "trainer").mkdir())
+                            complete_trainer_state)
         logger.finish()
     return run_dir
+
+
+def complete_trainer_state(folder):
+    (folder / checkpoint.TRAINER_DIR).mkdir()
+    marker = folder / checkpoint.TRAINER_DIR / checkpoint.COMPLETE
+    marker.write_text(json.dumps({"format": checkpoint.TRAINER_FORMAT}))
 
 
 def snapshot(folder):
