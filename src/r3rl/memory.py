@@ -41,7 +41,9 @@ Host memory, per node (``parallelism.host_memory_gib``), pinned and pageable apa
   ``fully_reshardable`` format every rank's model-parallel part of the float32 parameters and Adam moments (12 B per
   local parameter) is gathered into host "world" tensors (on data-parallel rank 0 to save, on every rank to load);
   and what lives on the GPU is staged in host memory for the writer (the weights; the optimizer state not offloaded,
-  for the other formats). Transient, but at its peak while everything above is held.
+  for the other formats). An async save of ``dp_reshardable`` state also counts the offloaded state once more: its
+  forked writer reads it in place, and the optimizer steps meanwhile copy each page they write. Transient, but at its
+  peak while everything above is held.
 
 Disk, per checkpoint: every parameter once in ``params_dtype`` plus the float32 parameter and two Adam moments
 (12 B/param) of the optimizer, whatever the layout; ``run.keep_checkpoints`` of them plus the one being written.
@@ -206,6 +208,10 @@ def checkpoint_host_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
             staged += local * OPTIMIZER_CHECKPOINT_BYTES
         elif not gathered:
             staged += _optimizer_shard(cfg) * OPTIMIZER_CHECKPOINT_BYTES * (1 - _on_host(cfg))
+    if tr.checkpoint.async_save and tr.use_distributed_optimizer and not gathered:
+        # the forked writer reads the offloaded state in place: every page the next optimizer steps write while it
+        # runs is copied (copy-on-write), up to all of it
+        staged += _optimizer_shard(cfg) * OPTIMIZER_CHECKPOINT_BYTES * _on_host(cfg)
     return int(gathered + staged)
 
 

@@ -143,11 +143,37 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
     return []
 
 
+def resumed_checkpoint_format(cfg: R3RLConfig) -> str | None:
+    """The optimizer format of the checkpoint a launch would resume (``run.resume`` and one in ``run.output_dir``),
+    or None. Its load follows that format, whatever ``trainer.checkpoint.sharding`` says for the run's own saves."""
+    from pathlib import Path
+
+    from r3rl import checkpoint
+
+    if not cfg.run.resume:
+        return None
+    try:
+        folder = checkpoint.latest(Path(cfg.run.output_dir))
+        return checkpoint.read_complete(folder / checkpoint.TRAINER_DIR).get("optimizer_format") if folder else None
+    except (OSError, ValueError):  # an unreadable one is the resume's own error to report, with its path
+        return None
+
+
 def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
-    """GPUs whose estimated bytes (``r3rl.memory``) exceed ``parallelism.gpu_memory_gib``, with the keys to change."""
+    """GPUs whose estimated bytes (``r3rl.memory``) exceed ``parallelism.gpu_memory_gib``, with the keys to change.
+    A resumed checkpoint is planned in the format it was saved in (a fully reshardable one resumed under a layout
+    that saves dp_reshardable still gathers its optimizer state to load)."""
+    import dataclasses
+
     from r3rl import memory
     from r3rl.config.modes import resolve_dtype
 
+    saved = resumed_checkpoint_format(cfg)
+    gathers_to_resume = saved == "fully_reshardable" and cfg.trainer.checkpoint.sharding != saved
+    if gathers_to_resume:
+        tr = cfg.trainer
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
+            tr, checkpoint=dataclasses.replace(tr.checkpoint, sharding=saved)))
     device = cfg.parallelism.device
     plan = memory.estimate(cfg, resolve_dtype(cfg.trainer.params_dtype, device),
                            resolve_dtype(cfg.rollout.engine.dtype, device))
@@ -167,8 +193,11 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
         problems.append(("parallelism.host_memory_gib",
                          f"out of host memory: node {host.node} needs ~{host.total / memory.GIB:.1f} GiB "
                          f"({host.pinned / memory.GIB:.1f} pinned, {host.pageable / memory.GIB:.1f} pageable), over "
-                         f"the {cfg.parallelism.host_memory_gib} GiB budget per node ({parts} GiB); change "
-                         + "; ".join(memory.host_fixes(cfg))))
+                         f"the {cfg.parallelism.host_memory_gib} GiB budget per node ({parts} GiB); "
+                         + ("the checkpoint this launch resumes (run.output_dir) was saved fully_reshardable, and "
+                            "loading it gathers its optimizer state here: resume it under a layout with room for "
+                            "that (the one that saved it), or run.resume=false" if gathers_to_resume else
+                            "change " + "; ".join(memory.host_fixes(cfg)))))
     return problems
 
 

@@ -213,7 +213,8 @@ def local_params(cfg) -> float:
 def test_checkpoint_host_memory_and_disk_follow_the_optimizer_format():
     """Issue 34 item 1: fails if the plan forgets the fully reshardable gather (12 B per local parameter: float32
     parameter and both Adam moments of the rank's model-parallel part, on every rank at load) or the bf16 weights the
-    writer stages from the GPU (2 B), if dp_reshardable is charged for a gather it does not do, if the disk term
+    writer stages from the GPU (2 B), if dp_reshardable is charged for a gather it does not do (or, saved in the
+    background, not for the offloaded state its forked writer shares copy-on-write), if the disk term
     is not every parameter at 2 + 12 B times run.keep_checkpoints + 1, or if a node that cannot hold the gather is
     let through without naming trainer.checkpoint.sharding."""
     cfg = compose(["experiment=qwen3_30b_r3_4p4"])
@@ -224,6 +225,12 @@ def test_checkpoint_host_memory_and_disk_follow_the_optimizer_format():
     flat = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint.sharding=dp_reshardable"])).memory
     # the optimizer state is offloaded already: only the GPU's weights are staged
     assert host(flat)["trainer/checkpoint save/load (transient)"][0] == pytest.approx(4 * local * 2 / GIB, rel=1e-6)
+    # in the background, the forked writer's view of the offloaded state is copied as the next steps write it
+    shard = plan.host_offload_bytes / 16  # offloaded parameters per rank (16 B each)
+    behind = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint.sharding=dp_reshardable",
+                                 "trainer.checkpoint.async_save=true"])).memory
+    assert host(behind)["trainer/checkpoint save/load (transient)"][0] == \
+        pytest.approx(4 * (local * 2 + shard * 12) / GIB, rel=1e-6)
     counts = param_counts(cfg.model)
     total = cfg.model.num_layers * (counts.dense_per_layer + counts.experts_per_layer) + counts.embeddings
     assert plan.checkpoint_bytes == int(total * 14) and plan.checkpoints_on_disk == cfg.run.keep_checkpoints + 1 == 3
@@ -251,3 +258,24 @@ def test_launch_refuses_a_disk_that_cannot_hold_the_checkpoints_kept(tmp_path):
                              "run.keep_checkpoints=100000000"])
     ((key, reason),) = disk_problems(greedy)
     assert key == "run.keep_checkpoints" and "GiB are free" in reason and str(tmp_path / "run") in reason
+
+
+def test_a_resumed_fully_reshardable_checkpoint_is_planned_as_its_load_gathers(tmp_path):
+    """A 4+4 checkpoint (fully_reshardable) resumed colocated, whose own saves are dp_reshardable: the load still
+    gathers each rank's float32 optimizer state, which eight ranks on a 1 TiB node cannot hold; the launch says so
+    instead of planning the colocated layout's own format. Fails if the preflight stops reading the checkpoint it
+    would resume, or plans it in the run's format."""
+    from r3rl import checkpoint as ckpt
+
+    run_dir = tmp_path / "run"
+    folder = ckpt.begin(run_dir, 20)
+    (folder / ckpt.TRAINER_DIR).mkdir()
+    (folder / ckpt.TRAINER_DIR / ckpt.COMPLETE).write_text(
+        '{"format": "%s", "optimizer_format": "fully_reshardable"}' % ckpt.TRAINER_FORMAT)
+    ckpt.publish(run_dir, folder, ckpt.CheckpointMeta(step=20))
+    colocated = ["experiment=qwen3_30b_r3_colocated", f"run.output_dir={run_dir}"]
+    with pytest.raises(ConfigError) as info:
+        compose(colocated)
+    (reason,) = [r for k, r in info.value.problems if k == "parallelism.host_memory_gib"]
+    assert "saved fully_reshardable" in reason and "run.resume=false" in reason
+    compose([*colocated, "run.resume=false"])  # a fresh start plans its own format, which fits

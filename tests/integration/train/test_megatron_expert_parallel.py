@@ -41,6 +41,17 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def finish(procs: list[subprocess.Popen], tmp: Path, timeout: float, log_tail: int = 2000) -> None:
+    """Wait for the ranks (killed past ``timeout``); a rank that failed fails the test with every rank's log tail."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        stop(procs)
+    logs = "\n".join((tmp / f"rank{r}.log").read_text()[-log_tail:] for r in range(len(procs)))
+    assert all(p.returncode == 0 for p in procs), logs
+
+
 def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir, torchrun_rendezvous):
     samples = build_samples(8, 31)
     with_routes(samples, random_routes(samples, 4, 2, 8, seed=31))
@@ -86,13 +97,7 @@ def test_expert_parallel_2_streams_buckets_and_no_rank_gathers_the_model(tmp_pat
     model."""
     procs = launch(2, ["export", str(tmp_path), "rollout.weight_sync.bucket_mb=0.25", *EP2], tmp_path,
                    torchrun_rendezvous(2))
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        stop(procs)
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2))
-    assert all(p.returncode == 0 for p in procs), logs
+    finish(procs, tmp_path, timeout=300)
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     source = {}
     for f in sorted(tiny_model_dir.glob("*.safetensors")):

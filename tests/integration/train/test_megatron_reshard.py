@@ -14,7 +14,7 @@ import pytest
 
 from megatron_helpers import build_samples, random_routes, with_routes
 from megatron_reshard_worker import run
-from test_megatron_expert_parallel import EP2, launch, stop
+from test_megatron_expert_parallel import EP2, finish, launch
 from r3rl.train.grpo import group_advantages
 
 WORKER = Path(__file__).with_name("megatron_reshard_worker.py")
@@ -53,13 +53,7 @@ def test_checkpoint_reshards_between_expert_parallel_1_and_2(tmp_path, tiny_mode
     src.write_bytes(pickle.dumps((samples, adv)))
     procs = launch(2, [str(src), str(dst), str(tmp_path / "ep1"), str(tmp_path / "ep2"), *DISTOPT, *EP2], tmp_path,
                    torchrun_rendezvous(2), worker=WORKER)
-    try:
-        for p in procs:
-            p.wait(timeout=400)
-    finally:
-        stop(procs)
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
-    assert all(p.returncode == 0 for p in procs), logs
+    finish(procs, tmp_path, timeout=400, log_tail=3000)
     two = pickle.loads(dst.read_bytes())
     assert two["world_size"] == 2 and two["local_experts"] == 4 and two["extra"] == {"saved_by": 1}
     assert max_diff(two["before"], one["after"]) < 1e-5
