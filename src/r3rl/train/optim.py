@@ -125,8 +125,13 @@ class MegatronOptimizer:
 
     @property
     def adam_step(self) -> int:
+        steps = set()
         with cpu_compat.megatron_optimizer_scope():
-            steps = {g["step"] for part in self._parts() for g in part.state_dict()["optimizer"]["param_groups"]}
+            for part in self._parts():
+                inner = part.state_dict()["optimizer"]
+                # the distributed optimizer and TE's FusedAdam keep it in the param groups, torch's Adam per parameter
+                found = {g["step"] for g in inner["param_groups"] if g.get("step") is not None}
+                steps |= found or {float(s["step"]) for s in inner.get("state", {}).values() if "step" in s}
         assert len(steps) == 1, f"optimizers at different Adam steps: {sorted(steps)}"
         return int(steps.pop())
 
@@ -140,7 +145,7 @@ class MegatronOptimizer:
             full = self.inner.sharded_state_dict(model_state, is_loading, metadata=metadata)
         if is_loading:
             self._loading = full  # what load_sharded_state_dict fills and hands to Megatron
-        return _flat(_param_states(full))
+        return _flat(full)
 
     def load_sharded_state_dict(self, tensors: dict, adam_step: int) -> None:
         from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
@@ -148,30 +153,16 @@ class MegatronOptimizer:
 
         full, self._loading = self._loading, None
         assert full is not None, "sharded_state_dict(is_loading=True) first"
-
-        numbered = iter(range(len(tensors)))
-        for states in _param_states(full):  # in the order _flat numbered their tensors
-            dict_list_map_inplace(lambda v: tensors[next(numbered)] if isinstance(v, ShardedBase) else v, states)
+        numbered = iter(range(len(tensors)))  # in the order _flat numbered them
+        dict_list_map_inplace(lambda v: tensors[next(numbered)] if isinstance(v, ShardedBase) else v, full)
         dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, full)
         with cpu_compat.megatron_optimizer_scope(), torch.no_grad():
             for part, saved in zip(self._parts(), _parts_of(full)):
-                if isinstance(saved["optimizer"], ShardedBase):
-                    # dp_reshardable wraps the param groups in a per-rank object: this optimizer's own serve (the
-                    # checkpoint adds nothing but the step, set here)
-                    saved["optimizer"] = saved["optimizer"].data
-                for group in saved["optimizer"]["param_groups"]:
-                    group["step"] = adam_step
-                param_state = saved.pop("param_state")
-                kind = saved.pop("param_state_sharding_type")  # the format the state was requested in
-                part.load_state_dict(saved)  # param groups and the Adam step (torch's AdamW: per parameter)
-                # Megatron copies every key of a parameter's optimizer state from the checkpoint, torch's per
-                # parameter "step" included, which its saved state does not hold; and it gave every parameter one
-                # shared step tensor, which torch's AdamW would then advance once per parameter
-                stepped = [state for state in part.optimizer.state.values() if state.pop("step", None) is not None]
-                getattr(part, f"load_parameter_state_from_{kind}")(param_state)
-                for state in stepped:
-                    state["step"] = torch.tensor(float(adam_step))
-
+                if "param_state" in saved:
+                    _load_distributed(part, saved, adam_step)
+                else:  # Megatron's non-distributed optimizers: their own format, with the step common to all
+                    saved["optimizer"]["state"]["common_step"] = adam_step
+                    part.load_state_dict(saved)
 
     def reset_state(self) -> None:
         if self.stepped:
@@ -180,20 +171,34 @@ class MegatronOptimizer:
                              "state; Megatron's optimizer here has stepped already: load it into a fresh trainer")
 
 
+def _load_distributed(part, saved: dict, adam_step: int) -> None:
+    """One distributed optimizer's state: its param groups (their step set to ``adam_step``), then its parameter
+    state in the format it was saved in."""
+    for group in saved["optimizer"]["param_groups"]:
+        group["step"] = adam_step
+    param_state = saved.pop("param_state")
+    kind = saved.pop("param_state_sharding_type")  # the format the state was requested in
+    part.load_state_dict(saved)  # param groups and the Adam step (torch's AdamW: per parameter)
+    # Megatron copies every key of a parameter's optimizer state from the checkpoint, torch's per parameter "step"
+    # included, which its saved state does not hold; and it gave every parameter one shared step tensor, which
+    # torch's AdamW would then advance once per parameter
+    stepped = [state for state in part.optimizer.state.values() if state.pop("step", None) is not None]
+    getattr(part, f"load_parameter_state_from_{kind}")(param_state)
+    for state in stepped:
+        state["step"] = torch.tensor(float(adam_step))
+
+
 def _parts_of(full: dict) -> list[dict]:
     """A chained optimizer's sharded state is ``{index: part}``, a single one's the part itself."""
     return list(full.values()) if all(isinstance(k, int) for k in full) else [full]
-
-
-def _param_states(full: dict) -> list:
-    return [part["param_state"] for part in _parts_of(full)]
 
 
 def _flat(tree) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    # numbered, not keyed: the stacked layers share one key (their layer index is a global offset)
+    # every sharded leaf (a distributed optimizer's parameter state; dp_reshardable's per-rank param groups; the
+    # other optimizers' moments), numbered, not keyed: the stacked layers share one key (their index is an offset)
     return dict(enumerate(v for v in nested_values(tree) if isinstance(v, ShardedBase)))
 
 
