@@ -2,14 +2,16 @@
 
 Every rank writes its own shards of the model and optimizer in parallel; the files name tensors by their global
 shape and offsets, so a checkpoint saved under one parallel layout loads under another (expert parallel 2 -> 1, the
-reverse, a 4+4 checkpoint resumed colocated). The optimizer state goes through Megatron's ``fully_reshardable``
-format: the Adam moments and float32 masters in the model's parameter shapes (the distributed optimizer's default,
-``fully_sharded_model_space``, builds flattened-range tensors its own validation refuses).
+reverse, a 4+4 checkpoint resumed colocated). The distributed optimizer's state goes through Megatron's
+``fully_reshardable`` format by default: the Adam moments and float32 masters in the model's parameter shapes (its
+default, ``fully_sharded_model_space``, builds flattened-range tensors Megatron's own validation refuses), or
+``dp_reshardable`` (``trainer.checkpoint.sharding``: each rank's flat buffers, same layout only).
 
 Completion is atomic: rank 0 creates ``.<name>.partial``, every rank writes into it, rank 0 writes ``COMPLETE``
-(JSON: format, world size, layout, optimizer step) and renames the folder after a barrier, so a crash while saving
-never leaves a half-written checkpoint under the final name. Per-rank RNG states sit beside the shards
-(``rng/rank<r>.pt``): a resume under the same layout continues bit for bit, a resharded one reseeds.
+(JSON: format, world size, layout, optimizer step and format) and renames the folder after a barrier, so a crash
+while saving never leaves a half-written checkpoint under the final name. Per-rank RNG states sit beside the shards
+(``rng/rank<r>.pt``): a resume under the same layout continues bit for bit, a resharded one reseeds. An async save
+(``trainer.checkpoint.async_save``) does the same once Megatron's queue finalizes it.
 """
 
 from __future__ import annotations

@@ -182,10 +182,10 @@ def _load_distributed(part, saved: dict, adam_step: int) -> None:
     # Megatron copies every key of a parameter's optimizer state from the checkpoint, torch's per parameter "step"
     # included, which its saved state does not hold; and it gave every parameter one shared step tensor, which
     # torch's AdamW would then advance once per parameter
-    stepped = [state for state in part.optimizer.state.values() if state.pop("step", None) is not None]
+    steps = [(state, state.pop("step")) for state in part.optimizer.state.values() if "step" in state]
     getattr(part, f"load_parameter_state_from_{kind}")(param_state)
-    for state in stepped:
-        state["step"] = torch.tensor(float(adam_step))
+    for state, old in steps:  # one tensor each, where the optimizer kept it
+        state["step"] = old.new_tensor(float(adam_step)) if isinstance(old, torch.Tensor) else adam_step
 
 
 def _parts_of(full: dict) -> list[dict]:

@@ -111,20 +111,22 @@ def test_dead_engine_fails_the_rollout_naming_it_and_leaves_no_process(tiny_mode
 
 def test_a_full_route_store_fails_the_rollout_naming_its_key(tiny_model_dir, tmp_path):
     """A route store too small for the batch's blocks (``rollout.engine.route_store_bytes``, vLLM's
-    ``--aux-output-config max_bytes``: two 1 KiB blocks of routes here) fails closed in vLLM; the engine core dies and
-    every request answers HTTP 500 without the reason. ``route_store_failure`` finds it in the engine's log and names
+    ``--aux-output-config max_bytes``: one 1 KiB block of routes here, while every prompt's prefill makes two in one
+    engine step, however the engine batches the requests) fails closed in vLLM; the engine core dies and every request
+    answers HTTP 500 without the reason. ``route_store_failure`` finds it in the engine's log and names
     the key, as the recipe reports it. Fails if the key stopped reaching vLLM's argv, or the log's error were not
     recognised (the run would end on a bare HTTP 500)."""
     from r3rl.rollout.engine import route_store_failure
 
-    cfg = engine_cfg("rollout.engine.route_store_bytes=2048")
+    cfg = engine_cfg("rollout.engine.route_store_bytes=1024")
     launch = build_plan(cfg).engines[0]
-    assert launch.argv[launch.argv.index("--aux-output-config") + 1] == '{"max_bytes":2048}'
+    assert launch.argv[launch.argv.index("--aux-output-config") + 1] == '{"max_bytes":1024}'
     engine = VLLMEngine.launch(launch, tmp_path, 300)
     try:
         assert route_store_failure(tmp_path) is None
         client = RolloutClient.from_config(cfg, [engine.url], progress=False, request_timeout_s=120)
-        prompts = [list(range(10 + i, 310 + i)) for i in range(4)]  # 2 full 128-token blocks each: 8 > 2 objects
+        # 2 full 128-token blocks each, written in the prefill's one step: 2 objects > 1 even for a prompt alone
+        prompts = [list(range(10 + i, 310 + i)) for i in range(4)]
         with pytest.raises(EngineError, match="HTTP 500"):
             client.generate_sync(prompts, 1, SamplingConfig(temperature=1.0, max_tokens=4, seed=0))
         reason = route_store_failure(tmp_path)
