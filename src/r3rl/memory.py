@@ -222,28 +222,27 @@ def checkpoint_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
     return int(total * (DTYPE_BYTES[params_dtype] + OPTIMIZER_CHECKPOINT_BYTES))
 
 
-def _local_params(cfg: R3RLConfig) -> float:
-    """Parameters one trainer rank holds (dense over TP, experts over EP x ETP, layers over PP)."""
+def _local_split(cfg: R3RLConfig) -> tuple[int, int]:
+    """(dense, expert) parameters one trainer rank holds: dense over TP, experts over EP x ETP, layers over PP."""
     m, t = cfg.model, cfg.parallelism.trainer
     counts = param_counts(m)
     layers = -(-m.num_layers // t.pipeline_parallel)
-    return layers * counts.dense_per_layer // t.tensor_parallel + counts.embeddings // t.tensor_parallel \
-        + layers * counts.experts_per_layer // (t.expert_parallel * t.expert_tensor_parallel)
+    dense = layers * counts.dense_per_layer // t.tensor_parallel + counts.embeddings // t.tensor_parallel
+    return dense, layers * counts.experts_per_layer // (t.expert_parallel * t.expert_tensor_parallel)
+
+
+def _local_params(cfg: R3RLConfig) -> int:
+    return sum(_local_split(cfg))
 
 
 def _optimizer_shard(cfg: R3RLConfig) -> float:
     """Parameters of one trainer rank's optimizer shard (dense over DP x CP, experts over expert-data parallel)."""
-    m, t, tr = cfg.model, cfg.parallelism.trainer, cfg.trainer
-    tp, pp, ep, cp, etp = (t.tensor_parallel, t.pipeline_parallel, t.expert_parallel, t.context_parallel,
-                           t.expert_tensor_parallel)
-    counts = param_counts(m)
-    layers = -(-m.num_layers // pp)
-    dense = layers * counts.dense_per_layer // tp + counts.embeddings // tp
-    experts = layers * counts.experts_per_layer // (ep * etp)
-    if not tr.use_distributed_optimizer:
+    t = cfg.parallelism.trainer
+    dense, experts = _local_split(cfg)
+    if not cfg.trainer.use_distributed_optimizer:
         return dense + experts
-    dp = max(t.num_gpus // (tp * pp * cp), 1) * cp
-    edp = max(t.num_gpus // (ep * etp * pp), 1)
+    dp = max(t.num_gpus // (t.tensor_parallel * t.pipeline_parallel * t.context_parallel), 1) * t.context_parallel
+    edp = max(t.num_gpus // (t.expert_parallel * t.expert_tensor_parallel * t.pipeline_parallel), 1)
     return dense / dp + experts / edp
 
 
@@ -255,22 +254,12 @@ def _on_host(cfg: R3RLConfig) -> float:
 def trainer_parts(cfg: R3RLConfig, params_dtype: str) -> tuple[list[Part], int]:
     """One trainer rank's parts and the bytes its optimizer keeps in host memory."""
     m, t, tr = cfg.model, cfg.parallelism.trainer, cfg.trainer
-    tp, pp, ep, cp, etp = (t.tensor_parallel, t.pipeline_parallel, t.expert_parallel, t.context_parallel,
-                           t.expert_tensor_parallel)
-    counts = param_counts(m)
+    tp, pp, cp, etp = t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_tensor_parallel
     layers = -(-m.num_layers // pp)
-    dense = layers * counts.dense_per_layer // tp + counts.embeddings // tp
-    experts = layers * counts.experts_per_layer // (ep * etp)
     width = DTYPE_BYTES[params_dtype]
-    local = dense + experts
-
-    distributed = tr.use_distributed_optimizer
-    dp = max(t.num_gpus // (tp * pp * cp), 1) * cp  # Megatron shards dense state over DP x CP
-    edp = max(t.num_gpus // (ep * etp * pp), 1)
-    dense_shard = dense / dp if distributed else dense
-    expert_shard = experts / edp if distributed else experts
+    local = _local_params(cfg)
     master_width = 4 if width != 4 else 0
-    shard = dense_shard + expert_shard
+    shard = _optimizer_shard(cfg)  # Megatron shards dense state over DP x CP, experts over expert-data parallel
     on_host = _on_host(cfg)
     # without the precision-aware optimizer Megatron's distributed optimizer keeps its float32 main shards on the GPU
     # whatever it offloads (the hybrid optimizer steps a pinned host copy of them)
