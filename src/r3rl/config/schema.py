@@ -154,6 +154,7 @@ class TrainerConfig(Frozen):
     params_dtype: str = "auto"
     micro_batch_size: int = 1
     max_tokens_per_micro_batch: Optional[int] = None
+    packing: bool = True
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0

@@ -1,7 +1,10 @@
-"""Where each token of a padded ``[B, S]`` micro batch lives on this rank, as index arithmetic.
+"""Where each token of a micro batch lives on this rank, as index arithmetic.
 
-Context parallel (CP) splits the sequence into ``2 * cp`` chunks and gives rank r chunks r and ``2cp-1-r`` (the
-load-balanced "zigzag" Megatron expects for causal attention). Sequence parallel (SP) then shards the router's
+A micro batch is a right-padded ``[B, S]`` batch or, packed, one ``[1, T]`` row of samples laid end to end
+(``segments``: the padded cu_seqlens, each segment's start and the total). Context parallel (CP) splits a sequence
+into ``2 * cp`` chunks and gives rank r chunks r and ``2cp-1-r`` (the load-balanced "zigzag" Megatron expects for
+causal attention); a packed row is split so per segment, the segments' pieces kept in order (what Megatron's THD
+path and TransformerEngine's ``thd_get_partitioned_indices`` do). Sequence parallel (SP) then shards the router's
 ``[s, b, h]`` input along s over the tensor-parallel ranks. Everything per token (tokens, positions, labels, masks
 and routes) goes through the same index arithmetic, so routes cannot drift from their tokens (pitfall P3).
 """
@@ -41,18 +44,31 @@ class TokenLayout:
         second = np.arange((2 * self.cp_size - 1 - rank) * chunk, (2 * self.cp_size - rank) * chunk)
         return np.concatenate([first, second])
 
-    def local_tokens(self, x):
+    def local_positions(self, seq_len: int, segments: np.ndarray | None = None,
+                        cp_rank: int | None = None) -> np.ndarray:
+        """Positions along S held by a CP rank, in its local order: the zigzag of the whole sequence, or of every
+        segment of a packed row (``segments``: cu_seqlens, each segment's length a multiple of ``align``)."""
+        if segments is None:
+            return self.cp_positions(seq_len, cp_rank)
+        if int(segments[-1]) != seq_len:
+            raise ValueError(f"packed segments end at {int(segments[-1])}, the row holds {seq_len} tokens")
+        if self.cp_size == 1:
+            return np.arange(seq_len)
+        return np.concatenate([self.cp_positions(int(end - start), cp_rank) + int(start)
+                               for start, end in zip(segments[:-1], segments[1:])])
+
+    def local_tokens(self, x, segments: np.ndarray | None = None):
         """``[B, S, ...]`` -> this CP rank's ``[B, S_cp, ...]`` (numpy array or torch tensor)."""
         if self.cp_size == 1:
             return x
-        index = self.cp_positions(x.shape[1])
+        index = self.local_positions(x.shape[1], segments)
         if isinstance(x, torch.Tensor):
             return x[:, torch.as_tensor(index, device=x.device)]
         return x[:, index]
 
-    def router_rows(self, x: np.ndarray) -> np.ndarray:
+    def router_rows(self, x: np.ndarray, segments: np.ndarray | None = None) -> np.ndarray:
         """``[B, S, ...]`` -> ``[S_local * B, ...]`` in the order this rank's routers flatten ``[s, b]``."""
-        local = self.local_tokens(x)
+        local = self.local_tokens(x, segments)
         seq_first = np.swapaxes(local, 0, 1)
         if self.sp_size > 1:
             s = seq_first.shape[0]
@@ -62,7 +78,7 @@ class TokenLayout:
             seq_first = seq_first[self.sp_rank * step:(self.sp_rank + 1) * step]
         return seq_first.reshape(-1, *seq_first.shape[2:])
 
-    def gather_tokens(self, local: torch.Tensor, group=None) -> torch.Tensor:
+    def gather_tokens(self, local: torch.Tensor, group=None, segments: np.ndarray | None = None) -> torch.Tensor:
         """Inverse of ``local_tokens`` across the CP group: ``[B, S_cp, ...]`` -> ``[B, S, ...]``. Collective."""
         if self.cp_size == 1:
             return local
@@ -71,5 +87,5 @@ class TokenLayout:
         seq_len = local.shape[1] * self.cp_size
         full = local.new_empty((local.shape[0], seq_len, *local.shape[2:]))
         for rank, piece in enumerate(pieces):
-            full[:, torch.as_tensor(self.cp_positions(seq_len, rank), device=local.device)] = piece
+            full[:, torch.as_tensor(self.local_positions(seq_len, segments, rank), device=local.device)] = piece
         return full

@@ -94,9 +94,12 @@ def layer_spec(config):
     if gpt_layer_specs.HAVE_TE and not cpu_compat.is_active():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True,
         normalization="RMSNorm")
+    # the local attention with a packed (THD) path, which TE's attention has natively
+    spec.submodules.self_attention.submodules.core_attention = te_fallback.packed_core_attention()
+    return spec
 
 
 def build_gpt(settings: ModelSettings, device: torch.device):

@@ -167,14 +167,13 @@ def row_origins(mb: MicroBatch, layout: TokenLayout, route_rows: Sequence[int]) 
     """The inverse of the packing: for each of this rank's router rows of ``mb``, the micro-batch slot and the token
     position it holds, or slot -1 where the row holds no rollout route (padding, a sample's last token).
 
-    Built from the tokens' own layout (``[B, S]`` right-padded, through ``TokenLayout.router_rows``), never from
-    the packed routes, so a packing that puts a route on the wrong row is caught rather than repeated.
-    ``route_rows[b]`` is the number of rollout route rows of slot b's sample (its tokens - 1).
+    Built from the tokens' own layout (``MicroBatch.grid``: right-padded rows or packed segments, through
+    ``TokenLayout.router_rows``), never from the packed routes, so a packing that puts a route on the wrong row is
+    caught rather than repeated. ``route_rows[b]`` is the number of rollout route rows of slot b's sample (its
+    tokens - 1).
     """
-    batch, seq_len = len(mb.indices), mb.seq_len
-    slot = layout.router_rows(np.repeat(np.arange(batch)[:, None], seq_len, axis=1))
-    pos = layout.router_rows(np.repeat(np.arange(seq_len)[None, :], batch, axis=0))
-    covered = pos < np.asarray(route_rows, dtype=np.int64)[slot]
+    slot, pos = (layout.router_rows(x, mb.segments) for x in mb.grid())
+    covered = (slot >= 0) & (pos < np.asarray(route_rows, dtype=np.int64)[np.maximum(slot, 0)])
     return np.where(covered, slot, -1), pos
 
 

@@ -4,7 +4,8 @@ Routes arrive per sample as ``uint8[T-1, L, K]`` (uint16 above 256 experts) and 
 packed into one ``[S_local * B, L, K]`` array of the same dtype, and only ``layer_targets`` widens one layer's
 column to int64 at the moment it is handed to that layer's router.
 
-Row order follows Megatron: the router flattens its ``[s, b, h]`` input, so row = ``s * B + b``. Every row without
+Row order follows Megatron: the router flattens its ``[s, b, h]`` input, so row = ``s * B + b`` (``s`` on a packed
+``[1, T]`` row, whose routes are laid out like its tokens, segment by segment). Every row without
 a rollout route (right padding, context-parallel and sequence-parallel alignment padding, and a sample's last token
 if a caller feeds it) holds K distinct valid ids: duplicate ids (e.g. zeros) make the dispatcher lose tokens under
 expert parallel (pitfall P2).
@@ -88,22 +89,28 @@ class PackedRoutes:
 
 
 def pack_routes(routes: list[np.ndarray], seq_len: int, layout: TokenLayout, *, num_layers: int, topk: int,
-                num_experts: int) -> PackedRoutes:
-    """Per-sample validated ``[T_b-1, L, K]`` routes -> this rank's router rows for a ``[B, seq_len]`` token batch.
+                num_experts: int, segments: np.ndarray | None = None) -> PackedRoutes:
+    """Per-sample validated ``[T_b-1, L, K]`` routes -> this rank's router rows for a ``[B, seq_len]`` token batch
+    (sample b on row b from position 0), or for one packed ``[1, seq_len]`` row whose cu_seqlens are ``segments``
+    (sample b from the start of segment b).
 
-    The routes go through the same ``TokenLayout`` transform as the tokens (context-parallel chunks, then the
-    sequence-parallel shard of the router input), so row ``s * B + b`` here is the token the router sees there.
+    The routes go through the same ``TokenLayout`` transform as the tokens (context-parallel chunks, per segment when
+    packed, then the sequence-parallel shard of the router input), so row ``s * B + b`` here is the token the router
+    sees there. Every row left over gets ``filler``: consecutive ids modulo E, so padding spreads over all experts
+    (and so over every expert-parallel rank) rather than piling onto one.
     """
     dtype = np.result_type(*[r.dtype for r in routes]) if routes else np.dtype(np.uint8)
-    batch = len(routes)
-    full = np.empty((batch, seq_len, num_layers, topk), dtype=dtype)
-    has = np.zeros((batch, seq_len), dtype=bool)
+    num_rows = 1 if segments is not None else len(routes)
+    full = np.empty((num_rows, seq_len, num_layers, topk), dtype=dtype)
+    has = np.zeros((num_rows, seq_len), dtype=bool)
     full[:] = filler(seq_len, num_layers, topk, num_experts, dtype)[None]
     for b, r in enumerate(routes):
-        if len(r) > seq_len:
-            raise RouteError(f"sample in micro-batch slot {b}: {len(r)} route rows exceed the packed length {seq_len}")
-        full[b, : len(r)] = r
-        has[b, : len(r)] = True
-    local = layout.router_rows(full)
-    local_has = layout.router_rows(has)
+        row, start, end = (0, int(segments[b]), int(segments[b + 1])) if segments is not None else (b, 0, seq_len)
+        if start + len(r) > end:
+            raise RouteError(f"sample in micro-batch slot {b}: {len(r)} route rows exceed its {end - start} "
+                             f"positions")
+        full[row, start:start + len(r)] = r
+        has[row, start:start + len(r)] = True
+    local = layout.router_rows(full, segments)
+    local_has = layout.router_rows(has, segments)
     return PackedRoutes(rows=np.ascontiguousarray(local), has_route=np.ascontiguousarray(local_has))

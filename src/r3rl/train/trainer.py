@@ -22,7 +22,8 @@ from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
 from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim, sft
 from r3rl.train import model as model_lib
-from r3rl.train.batch import MicroBatch, RouteShape, build_micro_batch, plan_micro_batches, plan_token_micro_batches
+from r3rl.train.batch import (MicroBatch, RouteShape, build_micro_batch, plan_micro_batches,
+                              plan_packed_micro_batches, plan_token_micro_batches)
 from r3rl.train.layout import TokenLayout
 from r3rl.train.replay import ProbeCounts, ReplayDriver, RouteProbe, check_megatron_api, forget_instances
 from r3rl.train.routes import check_routes
@@ -125,6 +126,8 @@ class MegatronTrainer:
         self.equal_shapes = ps.get_expert_model_parallel_world_size() > 1 and \
             self.settings.transformer.get("moe_token_dispatcher_type") == "allgather"
         self.uniform_length = self.equal_shapes or self.pipelined
+        # micro batches as packed rows (trainer.packing); an attribute so a test can run both layouts on one model
+        self.packing = cfg.trainer.packing
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -154,10 +157,18 @@ class MegatronTrainer:
         """This rank's micro batches over ``indices`` with, per slot, whether it is a real sample (padding slots
         repeat a real one with a zero loss mask so every expert-parallel rank runs the same forwards).
 
-        ``trainer.max_tokens_per_micro_batch`` packs micro batches by a token budget instead of a sample count."""
+        ``trainer.max_tokens_per_micro_batch`` fills micro batches by a token budget instead of a sample count;
+        ``trainer.packing`` lays each micro batch's samples end to end in one row (no right padding)."""
         budget = self.cfg.trainer.max_tokens_per_micro_batch
         lengths = {i: samples[i].num_tokens - 1 for i in indices}
-        if budget is None:
+        packed = self.packing
+        if packed:
+            plan = plan_packed_micro_batches(lengths, indices, self.info.dp_rank, self.info.dp_size,
+                                             self.layout.padded_len, max_tokens=budget,
+                                             micro_batch_size=micro_batch_size, equal_shapes=self.equal_shapes,
+                                             uniform=self.pipelined)
+            filler = min(indices, key=lengths.__getitem__)
+        elif budget is None:
             seq_len = max(lengths.values()) if self.uniform_length else None
             plan = [(slots, seq_len) for slots in
                     plan_micro_batches(indices, self.info.dp_rank, self.info.dp_size, micro_batch_size)]
@@ -176,7 +187,7 @@ class MegatronTrainer:
                                  for k, v in per_token.items()}
             mb = build_micro_batch(samples, real, self.layout, self.device, per_token=tokens_inputs,
                                    routes=[routes[i] for i in real] if routes is not None else None,
-                                   route_shape=self.route_shape, seq_len=seq_len)
+                                   route_shape=self.route_shape, seq_len=seq_len, packed=packed)
             out.append((mb, valid))
         return out
 
@@ -186,17 +197,32 @@ class MegatronTrainer:
         """Token log-probs ``[B, S_local]`` of ``mb.labels`` (last pipeline stage) or the stage's activations."""
         from megatron.core import tensor_parallel
 
-        mask = cpu_compat.attention_mask(mb.tokens.shape[1], self.device)
         if replay:
             self.replay.arm(mb.routes, self.device)
         try:
-            output = model(mb.tokens, mb.position_ids, mask)
+            if mb.packed:
+                output = model(mb.tokens, mb.position_ids, None, packed_seq_params=self._packed_seq_params(mb))
+            else:
+                output = model(mb.tokens, mb.position_ids, cpu_compat.attention_mask(mb.tokens.shape[1], self.device))
         finally:
             if replay:
                 self.replay.after_forward(backward_follows=backward_follows)
         if not self._ps.is_pipeline_last_stage():
             return output
         return -tensor_parallel.vocab_parallel_cross_entropy(output.float(), mb.labels)
+
+    def _packed_seq_params(self, mb: MicroBatch):
+        """Megatron's THD description of a packed row: the padded cu_seqlens for queries and keys alike (padding is
+        then each segment's own trailing tokens, which causal attention keeps every real token blind to), the
+        global ones under context parallel (RoPE and TE split them per rank), and the longest padded segment as a
+        Python int (RoPE's table length, cached per value). ``tokens_per_sample`` stays unset: on 0.19 it reshapes
+        the MoE input to ``[S, b, h]`` and the router rows would no longer be the packed tokens."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.as_tensor(mb.segments, dtype=torch.int32, device=self.device)
+        longest = int(np.diff(mb.segments).max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                               cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
 
     def _forward_only(self, model, samples: Sequence[Sample], *, replay: bool, probe_routes: list | None,
                       driver_routers: list | None = None, recorded: dict | None = None
@@ -235,11 +261,12 @@ class MegatronTrainer:
                         self.replay.clear()
             if self._ps.is_pipeline_last_stage():
                 for (mb, valid), lp in zip(mbs, token_lps):
-                    full = self.layout.gather_tokens(lp, group=self._ps.get_context_parallel_group())
+                    full = self.layout.gather_tokens(lp, group=self._ps.get_context_parallel_group(),
+                                                     segments=mb.segments)
                     for b, (index, ok) in enumerate(zip(mb.indices, valid)):
                         if ok:
-                            start, end = mb.spans[b]
-                            results[index] = full[b, start:end].float().cpu().numpy()
+                            row, start, end = mb.scored(b)
+                            results[index] = full[row, start:end].float().cpu().numpy()
         return results, (probe.counts if probe is not None else None)
 
     def _pipelined(self, model, mbs: list[MicroBatch], *, replay: bool, forward_only: bool, probe=None,
@@ -341,10 +368,8 @@ class MegatronTrainer:
     def _keep_recorded(self, samples: Sequence[Sample], mb: MicroBatch, valid: list[bool],
                        local: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]]) -> None:
         """This rank's rows of the top-k each router recorded in ``mb``'s forward, by sample index and layer."""
-        batch, seq_len = len(mb.indices), mb.seq_len
         # which (sample slot, position) each of this rank's router rows is, via the tokens' own layout
-        slot = self.layout.router_rows(np.repeat(np.arange(batch)[:, None], seq_len, axis=1))
-        pos = self.layout.router_rows(np.repeat(np.arange(seq_len)[None, :], batch, axis=0))
+        slot, pos = (self.layout.router_rows(x, mb.segments) for x in mb.grid())
         from r3rl.sample import routes_dtype
 
         m = self.cfg.model

@@ -2,6 +2,7 @@
 
 Usage: python megatron_ep_worker.py IN.pkl OUT.pkl OVERRIDE...   (rank 0 writes OUT.pkl)
        python megatron_ep_worker.py export DIR OVERRIDE...          (rank r writes DIR/rank{r}.pkl)
+       python megatron_ep_worker.py packing IN.pkl DIR OVERRIDE...  (rank r writes DIR/rank{r}.pkl)
 """
 
 from __future__ import annotations
@@ -35,6 +36,35 @@ def run(samples, advantages, overrides: list[str]) -> dict:
         trainer.shutdown()
 
 
+def packing(samples, advantages, overrides: list[str]) -> dict:
+    """The same batch on the same weights, packed and padded: log-probs with and without replay, the loss and this
+    rank's gradients; then a packed training step under replay (its routing-map check)."""
+    from r3rl.config import compose
+    from r3rl.train.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", *overrides]))
+    try:
+        out = {"rank": trainer.info.rank}
+        for packed in (True, False):
+            trainer.packing = packed
+            replayed = trainer.logprobs(samples, replay=True)
+            live = trainer.logprobs(samples, replay=False)
+            grads = trainer.gradients(samples, advantages, replay=True, old_logprobs=replayed.logprobs)
+            out["packed" if packed else "padded"] = {
+                "replayed": replayed.logprobs, "live": live.logprobs, "flips": live.flip_per_layer,
+                "match": replayed.replayed_routes_match, "mismatch_rows": replayed.replay_mismatch_rows,
+                "loss": grads["loss"], "loss_tokens": grads["loss_tokens"],
+                "grads": {k: v.numpy() for k, v in grads["grads"].items()}}
+        trainer.packing = True
+        out["rows"] = [mb.seq_len for mb, _ in trainer._micro_batches(samples, list(range(len(samples))),
+                                                                      trainer.cfg.trainer.micro_batch_size,
+                                                                      routes=None)]
+        out["train"] = trainer.train_step(samples, advantages, replay=True)
+        return out
+    finally:
+        trainer.shutdown()
+
+
 def export(out_dir: str, overrides: list[str]) -> dict:
     """HF export to ``out_dir/hf`` and one streamed sync to rank 0, with the bytes this rank held at peak."""
     from pathlib import Path
@@ -63,6 +93,14 @@ def export(out_dir: str, overrides: list[str]) -> dict:
 
 
 def main() -> None:
+    if sys.argv[1] == "packing":
+        src, out_dir, *overrides = sys.argv[2:]
+        with open(src, "rb") as f:
+            samples, advantages = pickle.load(f)
+        result = packing(samples, advantages, overrides)
+        with open(os.path.join(out_dir, f"rank{result['rank']}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        return
     if sys.argv[1] == "export":
         out_dir, *overrides = sys.argv[2:]
         result = export(out_dir, overrides)

@@ -106,8 +106,9 @@ def test_memory_estimate_matches_one_rank(new_trainer, batch):
 
 def test_token_budget_packing_leaves_logprobs_and_gradients_unchanged(new_trainer, batch):
     samples, adv = batch
-    by_count = new_trainer("trainer.micro_batch_size=2")
-    by_tokens = new_trainer("trainer.micro_batch_size=2", *BUDGET)
+    # right-padded micro batches, the layout this budget's plan is for (packed rows: test_megatron_packing)
+    by_count = new_trainer("trainer.micro_batch_size=2", "trainer.packing=false")
+    by_tokens = new_trainer("trainer.micro_batch_size=2", "trainer.packing=false", *BUDGET)
     mbs = by_tokens._micro_batches(samples, list(range(len(samples))), 2, routes=None)
     longest = max(s.num_tokens - 1 for s in samples)
     # fewer, fuller micro batches, each padded to its own longest sample within the budget
