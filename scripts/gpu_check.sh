@@ -3,7 +3,10 @@
 # TransformerEngine. Finishes within 8 minutes and prints a summary; exit 0 = passed. It runs, then measures:
 #   1. `pytest -m gpu` over the trainer tests: Megatron's CUDA path (local spec on CUDA against transformers, NCCL
 #      with world size 1, replay, export), the distributed optimizer with CPU offload, and issue 23 item 1 (offload
-#      and onload around a step leave the CPU-offloaded optimizer's state in host memory);
+#      and onload around a step leave the CPU-offloaded optimizer's state in host memory). They train packed micro
+#      batches (trainer.packing, the default) through the local spec's packed attention on CUDA. No context-parallel
+#      replay check runs here: CP 2 needs two GPUs (NCCL refuses two ranks on one device) and TE's attention; the
+#      packed CP split's test against TE's partition function is listed "not checked" without TE;
 #   2. the weight-sync wires' GPU tests: issue 23 item 2's stream race (tests/integration/rollout/
 #      test_gpu_wire_streams.py) and the IPC wire (test_gpu_wires.py). Without vLLM only the race test's vLLM-free
 #      half runs (`after_stream` orders a pack on another stream after a slow writer): NcclWire's race test and the

@@ -11,6 +11,8 @@ Trainer rank (Megatron, distributed optimizer as Megatron shards it):
   ``optimizer_offload_fraction`` of both to host memory;
 - activations: per micro batch of ``T`` tokens (``max_tokens_per_micro_batch``, else ``micro_batch_size`` samples
   of ``rollout.engine.max_model_len``), split over context parallel and, under sequence parallel, tensor parallel.
+  The budget bounds the tokens a micro batch feeds either way: a packed row (``trainer.packing``) holds its samples'
+  own tokens plus alignment, a padded micro batch its samples x their longest.
   Without recompute every layer keeps its working set; with full recompute each layer keeps its input and one
   layer's working set is rebuilt at a time. Attention is assumed fused (TransformerEngine / flash): no S x S scores;
 - logits: the output layer's ``[T, vocab / TP]`` in ``params_dtype`` plus the float32 copy the cross entropy works on

@@ -35,3 +35,25 @@ def test_routes_are_sliced_as_megatron_slices_each_cp_ranks_tokens(cp, tmp_path,
         assert np.array_equal(r["r3rl_rows"][~ended], theirs[~ended].astype(r["r3rl_rows"].dtype)), rank
         seen.extend(tokens.tolist())
     assert sorted(seen) == list(range(len(seen)))  # every token on exactly one rank
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cp", [2, 4])
+def test_packed_rows_are_split_as_transformer_engine_splits_them(cp):
+    """A packed row's per-segment zigzag (``TokenLayout.local_positions`` with segments) against TransformerEngine's
+    ``thd_get_partitioned_indices``, which Megatron's THD batch slicing (0.16 ``get_thd_batch_on_this_cp_rank``,
+    0.19 ``get_batch_on_this_cp_rank``) calls for cp > 1. Fails if r3rl zigzagged the whole row, or a segment's
+    chunks in another order. Needs TE's CUDA extension (GPU machines with TE; not the one-GPU check)."""
+    import torch
+
+    tex = pytest.importorskip("transformer_engine_torch")
+    if not torch.cuda.is_available():
+        pytest.skip("TransformerEngine's partition kernel runs on a GPU")
+    from r3rl.train.layout import TokenLayout
+
+    segments = np.array([0, 8 * cp, 12 * cp, 28 * cp, 30 * cp])
+    cu = torch.as_tensor(segments, dtype=torch.int32, device="cuda")
+    for rank in range(cp):
+        theirs = tex.thd_get_partitioned_indices(cu, int(segments[-1]), cp, rank).cpu().numpy()
+        ours = TokenLayout(cp_size=cp, cp_rank=rank).local_positions(int(segments[-1]), segments)
+        assert np.array_equal(ours, theirs), (rank, ours, theirs)

@@ -32,22 +32,26 @@ def token_routes(s: Sample) -> np.ndarray:
 
 
 SAMPLES = [sample(0, 5, 4), sample(1, 3, 2), sample(2, 7, 6)]
+_rng = np.random.default_rng(3)
+RANDOM = [sample(i, int(_rng.integers(1, 20)), int(_rng.integers(1, 30))) for i in range(7)]
 
 
-@pytest.mark.parametrize("cp, sp, total", [(1, 1, None), (1, 1, 30), (2, 1, None), (2, 1, 40), (2, 2, None)])
-def test_every_token_label_input_and_route_lands_on_its_own_position(cp, sp, total):
+@pytest.mark.parametrize("samples", [SAMPLES, RANDOM], ids=["fixed", "random"])
+@pytest.mark.parametrize("cp, sp, total", [(1, 1, None), (1, 1, 30 * 8), (2, 1, None), (2, 1, 40 * 8), (2, 2, None),
+                                           (1, 2, None), (1, 4, None), (2, 4, 64 * 8)])
+def test_every_token_label_input_and_route_lands_on_its_own_position(cp, sp, total, samples):
     """Per rank, each packed position holds its sample's token, label, per-token input and route, sliced per segment
     as Megatron slices a THD row (zigzag per segment). Fails if a segment starts one position off (a sample boundary
     off by one), if routes are packed one row off their tokens, or if the context-parallel split of a packed row
     zigzags the whole row instead of each segment."""
     base = TokenLayout(cp_size=cp, sp_size=sp)
-    advantages = [np.arange(s.response_length, dtype=np.float32) + 10 * i for i, s in enumerate(SAMPLES)]
-    routes = [token_routes(s) for s in SAMPLES]
+    advantages = [np.arange(s.response_length, dtype=np.float32) + 10 * i for i, s in enumerate(samples)]
+    routes = [token_routes(s) for s in samples]
     seen = []
     for cp_rank in range(cp):
         for sp_rank in range(sp):
             layout = TokenLayout(cp_size=cp, cp_rank=cp_rank, sp_size=sp, sp_rank=sp_rank)
-            mb = build_micro_batch(SAMPLES, [0, 1, 2], layout, torch.device("cpu"), per_token={"adv": advantages},
+            mb = build_micro_batch(samples, list(range(len(samples))), layout, torch.device("cpu"), per_token={"adv": advantages},
                                    routes=routes, route_shape=RouteShape(L, K, E), seq_len=total, packed=True)
             segments = mb.segments
             assert all(n % base.align == 0 for n in np.diff(segments))
@@ -68,8 +72,8 @@ def test_every_token_label_input_and_route_lands_on_its_own_position(cp, sp, tot
             for local, position in enumerate(held):
                 b = int(np.searchsorted(segments, position, side="right") - 1)
                 offset = position - segments[b]
-                if b < len(SAMPLES) and offset < SAMPLES[b].num_tokens - 1:
-                    s = SAMPLES[b]
+                if b < len(samples) and offset < samples[b].num_tokens - 1:
+                    s = samples[b]
                     assert tokens[local] == s.tokens[offset] and labels[local] == s.tokens[offset + 1]
                     start, end = mb.spans[b]
                     expected = advantages[b][offset - start] if start <= offset < end else 0.0
@@ -87,10 +91,10 @@ def test_every_token_label_input_and_route_lands_on_its_own_position(cp, sp, tot
                     assert token == 0
             seen.extend(np.asarray(held)[sp_rank * step:(sp_rank + 1) * step].tolist())
             # what a rank reads back as a sample's log-probs: its scored positions in the gathered row
-            for b, s in enumerate(SAMPLES):
+            for b, s in enumerate(samples):
                 row, start, end = mb.scored(b)
                 assert row == 0 and end - start == s.response_length
-    assert sorted(seen) == list(range(int(packed_segments([s.num_tokens - 1 for s in SAMPLES], base, total)[-1])))
+    assert sorted(seen) == list(range(int(packed_segments([s.num_tokens - 1 for s in samples], base, total)[-1])))
 
 
 def test_packed_rows_gather_back_in_order_across_context_parallel_ranks():
