@@ -12,6 +12,8 @@ CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
 REJECTED_TOKENS = ("zero_weight", "drop_from_count")
 # the disjoint shares of a generated problem space (r3rl.data.arithmetic.SPLITS gives their sizes)
 SPLIT_NAMES = ("sft", "rl", "heldout")
+# data.split that draws from every share but the held-out one (sft and rl): GRPO's prompts on the default CPU run
+TRAIN_SPLIT = "train"
 
 
 def replay_mode(cfg) -> str:

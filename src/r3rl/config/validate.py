@@ -11,7 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from r3rl.config.modes import CORRECTION_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES, SPLIT_NAMES, replay_mode
+from r3rl.config.modes import (CORRECTION_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES, SPLIT_NAMES,
+                               TRAIN_SPLIT, replay_mode)
 from r3rl.config.schema import R3RLConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -359,8 +360,8 @@ def validate(cfg: R3RLConfig) -> None:
 
     # data, logger, run
     check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
-    check(cfg.data.split == "all" or cfg.data.split in SPLIT_NAMES, "data.split",
-          f"must be all or one of {sorted(SPLIT_NAMES)}, got {cfg.data.split!r}")
+    check(cfg.data.split in ("all", TRAIN_SPLIT) or cfg.data.split in SPLIT_NAMES, "data.split",
+          f"must be all, {TRAIN_SPLIT} or one of {sorted(SPLIT_NAMES)}, got {cfg.data.split!r}")
     check(bool(cfg.data.ops) and set(cfg.data.ops) <= set("+-*"), "data.ops",
           f"must be one or more of '+-*', got {cfg.data.ops!r}")
     check(cfg.data.max_operand >= 1, "data.max_operand", f"must be >= 1, got {cfg.data.max_operand}")

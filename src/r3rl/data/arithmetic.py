@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from r3rl.config.modes import SPLIT_NAMES
+from r3rl.config.modes import SPLIT_NAMES, TRAIN_SPLIT
 from r3rl.config.schema import DataConfig
 from r3rl.data.overlap import problem_key, problem_keys
 
@@ -41,7 +41,8 @@ SOLUTION_VERSION = 2
 @dataclass(frozen=True)
 class ProblemSpace:
     """The problems ``a op b`` the generator draws from: ``ops`` among ``+-*``, operands ``min_operand`` ..
-    ``max_operand`` (products at most 0..20), and the ``split`` of that space (``all``, or one of ``SPLITS``)."""
+    ``max_operand`` (products at most 0..20), and the ``split`` of that space (``all``, ``train`` = all but the
+    held-out share, or one of ``SPLITS``)."""
 
     ops: str = "+-*"
     max_operand: int = 99
@@ -65,7 +66,7 @@ class ProblemSpace:
 
 # Disjoint shares of every problem space, by a stable hash of the problem with its operands in a canonical order
 # (a + b and b + a fall in the same split): the SFT warm start, GRPO's prompts and the held-out eval never share a
-# problem, whatever their seeds and counts. ``all``: the whole space.
+# problem, whatever their seeds and counts. ``all``: the whole space; ``train``: all but the held-out share.
 SPLITS: dict[str, tuple[float, float]] = dict(zip(SPLIT_NAMES, ((0.0, 0.7), (0.7, 0.85), (0.85, 1.0))))
 
 
@@ -81,6 +82,15 @@ def split_of(a: int, op: str, b: int) -> str:
     return next(name for name, (start, end) in SPLITS.items() if start <= share < end)
 
 
+def in_split(a: int, op: str, b: int, split: str) -> bool:
+    """Whether ``a op b`` is drawn by ``data.split=split`` (one share, ``train`` = every share but held-out, or
+    ``all``)."""
+    if split == "all":
+        return True
+    name = split_of(a, op, b)
+    return name != "heldout" if split == TRAIN_SPLIT else name == split
+
+
 def _answer(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
@@ -90,8 +100,8 @@ def problems_of(space: ProblemSpace) -> dict[str, tuple[tuple[int, int], ...]]:
     """Every problem of ``space``'s split, as operand pairs per operator (operators with none are left out)."""
     if not space.ops or set(space.ops) - set(_OPS):
         raise ValueError(f"data.ops={space.ops!r}: use one or more of {''.join(_OPS)!r}")
-    if space.split != "all" and space.split not in SPLITS:
-        raise ValueError(f"data.split={space.split!r}: use all or one of {sorted(SPLITS)}")
+    if space.split not in ("all", TRAIN_SPLIT) and space.split not in SPLITS:
+        raise ValueError(f"data.split={space.split!r}: use all, {TRAIN_SPLIT} or one of {sorted(SPLITS)}")
     if not space.enumerable:
         raise ValueError(f"operands {space.min_operand}..{space.max_operand}: too many problems to list "
                          "(draw_problem samples them)")
@@ -99,7 +109,7 @@ def problems_of(space: ProblemSpace) -> dict[str, tuple[tuple[int, int], ...]]:
     for op in dict.fromkeys(space.ops):
         lo, hi = space.operand_range(op)
         pairs = tuple((a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)
-                      if space.split == "all" or split_of(a, op, b) == space.split)
+                      if in_split(a, op, b, space.split))
         if pairs:
             out[op] = pairs
     if not out:
@@ -124,7 +134,7 @@ def draw_problem(rng: random.Random, space: ProblemSpace = ProblemSpace()) -> di
         lo, hi = space.operand_range(op)
         while True:
             a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-            if space.split == "all" or split_of(a, op, b) == space.split:
+            if in_split(a, op, b, space.split):
                 break
     return {"prompt": PROMPT_TEMPLATE.format(a=a, op=op, b=b), "label": str(_answer(a, op, b))}
 

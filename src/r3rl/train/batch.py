@@ -215,9 +215,10 @@ def plan_packed_micro_batches(lengths: Mapping[int, int], indices: Sequence[int]
     (a dispatcher that gathers equal token counts) row k has the same total on every rank (the longest over ranks);
     with ``uniform`` (pipeline stages pass fixed-size activations) every row has the longest total of all.
     """
+    shortest = min(padded_len(max(lengths[i], 1)) for i in indices)  # what fills a [None] row
+
     def size(i: int | None) -> int:
-        return padded_len(max(lengths[i], 1)) if i is not None else min(padded_len(max(lengths[j], 1))
-                                                                         for j in indices)
+        return padded_len(max(lengths[i], 1)) if i is not None else shortest
 
     ranks: list[list[list[int | None]]] = []
     if max_tokens is None:

@@ -12,10 +12,11 @@ from recipes import warm_start
 
 def test_the_warm_start_trains_the_sft_share_of_the_same_task():
     """SFT recipe, the ``sft`` split of GRPO's problem space, its own steps, rate and batch, no eval points. Fails if
-    the warm start drew from GRPO's split (GRPO's prompts would be memorised: no signal left) or kept GRPO's lr."""
+    the warm start drew from GRPO's draw (the CPU default, ``train``, takes in the rl share, whose problems only GRPO
+    sees, and would take in the whole pool of 2,048 prompts) or kept GRPO's lr."""
     cfg = compose(["parallelism=cpu", "warm_start.num_steps=7", "warm_start.lr=0.003", "warm_start.batch_size=8"])
     sft = warm_start.sft_config(cfg)
-    assert sft.recipe.name == "sft" and sft.data.split == "sft" and cfg.data.split == "rl"
+    assert sft.recipe.name == "sft" and sft.data.split == "sft" and cfg.data.split == "train"
     assert (sft.data.ops, sft.data.max_operand) == (cfg.data.ops, cfg.data.max_operand)
     assert sft.run.num_steps == 7 and sft.run.eval_every == 0 and sft.trainer.lr == 0.003 and sft.sft.batch_size == 8
     assert sft.data.verbose_share == cfg.warm_start.verbose_share

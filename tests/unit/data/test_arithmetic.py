@@ -74,6 +74,19 @@ def test_splits_partition_the_space_and_keep_twins_together():
     assert all(len(k) > 20 for k in keys.values())
 
 
+def test_the_train_split_is_every_share_but_the_held_out_one():
+    """``data.split=train`` (the CPU default's GRPO prompts) draws exactly the sft and rl shares, listed or sampled,
+    and never a held-out problem. Fails if it let the held-out share in (the eval would score trained problems) or
+    left the warm start's share out."""
+    train = problems_of(ProblemSpace("+-*", 19, "train"))
+    keys = {split: {(op, *pair) for op, pairs in problems_of(ProblemSpace("+-*", 19, split)).items()
+                    for pair in pairs} for split in SPLITS}
+    assert {(op, *pair) for op, pairs in train.items() for pair in pairs} == keys["sft"] | keys["rl"]
+    drawn = generate_problems(400, 3, ProblemSpace("+", 2000, "train", min_operand=1000))  # too large to list
+    operands = [re.match(r"What is (\d+) \+ (\d+)\?", p["prompt"]).groups() for p in drawn]
+    assert {split_of(int(a), "+", int(b)) for a, b in operands} == {"sft", "rl"}
+
+
 def test_generated_sets_stay_in_their_split():
     """GRPO's prompts (rl), the warm start's (sft) and the held-out eval (heldout) never share a problem, whatever
     their seeds. Fails if generation ignored the split (every draw would come from the whole space)."""
