@@ -113,9 +113,13 @@ def test_a_full_route_store_fails_the_rollout_naming_its_key(tiny_model_dir, tmp
     """A route store too small for the batch's blocks (``rollout.engine.route_store_bytes``, vLLM's
     ``--aux-output-config max_bytes``: one 1 KiB block of routes here, while every prompt's prefill makes two in one
     engine step, however the engine batches the requests) fails closed in vLLM; the engine core dies and every request
-    answers HTTP 500 without the reason. ``route_store_failure`` finds it in the engine's log and names
-    the key, as the recipe reports it. Fails if the key stopped reaching vLLM's argv, or the log's error were not
-    recognised (the run would end on a bare HTTP 500)."""
+    after it fails (HTTP 500, or no answer once the server follows its core) without the reason. The batch that
+    overflows the store may itself still be answered:
+    vLLM publishes routes from a thread of its own, and on a loaded machine the four short requests finished before
+    the failure reached them (a clean-clone CI saw all four answered 200), so the test holds the engine to the next
+    request. ``route_store_failure`` finds the reason in the engine's log and names the key, as the recipe reports it.
+    Fails if the key stopped reaching vLLM's argv, or the log's error were not recognised (the run would end on a
+    bare HTTP 500)."""
     from r3rl.rollout.engine import route_store_failure
 
     cfg = engine_cfg("rollout.engine.route_store_bytes=1024")
@@ -127,8 +131,13 @@ def test_a_full_route_store_fails_the_rollout_naming_its_key(tiny_model_dir, tmp
         client = RolloutClient.from_config(cfg, [engine.url], progress=False, request_timeout_s=120)
         # 2 full 128-token blocks each, written in the prefill's one step: 2 objects > 1 even for a prompt alone
         prompts = [list(range(10 + i, 310 + i)) for i in range(4)]
-        with pytest.raises(EngineError, match="HTTP 500"):
-            client.generate_sync(prompts, 1, SamplingConfig(temperature=1.0, max_tokens=4, seed=0))
+        sampling = SamplingConfig(temperature=1.0, max_tokens=4, seed=0)
+        try:
+            client.generate_sync(prompts, 1, sampling)
+        except EngineError as err:
+            assert "HTTP 500" in str(err)
+        with pytest.raises(EngineError, match=r"HTTP 500|failed during|no answer"):  # the engine core is gone
+            client.generate_sync(prompts[:1], 1, sampling)
         reason = route_store_failure(tmp_path)
         assert reason is not None and "cannot retain" in reason and "rollout.engine.route_store_bytes" in reason
     finally:
