@@ -99,13 +99,17 @@ class Recipe:
             self.dataset.load_state_dict(meta.data_state)
         eval_sets = load_sets(cfg, self.tokenizer) if engines and cfg.run.eval_every > 0 else []
         self.cluster = start_or_attach(cfg, self.plan)
+        if engines and not self.colocated:  # their own GPUs: the servers come up while the trainer ranks start
+            self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", None)
         with console.status("starting trainer ranks"):
             self.trainers = TrainerGroup(cfg, self.plan, loopback=self.cluster.started_here)
         if resume_from is not None:
             self.trainers.call("load_checkpoint", resume_from / checkpoint.TRAINER_DIR)
         if engines:
             with console.status(f"starting {len(self.plan.engines) or 1} vLLM engine(s)"):
-                self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
+                if self.engines is None:  # colocated: they share the trainer ranks' GPUs and placement group
+                    self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", self.trainers)
+                self.engines.wait_ready()
             self.evaluator = Evaluator.from_config(cfg, eval_sets, self.engines.urls, self.tokenizer, console,
                                                    record_dir=self.run_dir / "eval")
             self.engines_started()

@@ -21,8 +21,9 @@ from r3rl.data.arithmetic import SOLUTION_VERSION
 from r3rl.models.tiny_moe import ensure_checkpoint
 from recipes.common import console
 
-# bumped when the warm start's recipe changes for the same settings, so cached warm starts are redone
-WARM_START_VERSION = 1
+# bumped when the warm start's recipe changes for the same settings, so cached warm starts are redone (2: a trainer
+# rank on logical GPUs computes on its share of the node's cores, which changes float rounding)
+WARM_START_VERSION = 2
 MARKER = "r3rl_warm_start.json"
 
 

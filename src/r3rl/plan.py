@@ -388,7 +388,8 @@ def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
             "colocated": p.colocated,
             "trainer": {"bundles": p.bundles("trainer"),
                         "cpus_per_rank": p.trainer_cpus,
-                        "torch_threads_per_rank": p.torch_threads if p.torch_threads is not None else "torch default",
+                        "torch_threads_per_rank": p.torch_threads if p.torch_threads is not None else
+                        "the node's cores / its trainer ranks" if p.logical_gpus else "torch default",
                         "ranks": [f"rank {r}: node {g.node} GPU {g.local}" for r, g in enumerate(p.trainer)]},
             "rollout": {"bundles": p.bundles("rollout"),
                         "engines": [f"engine {e.index}: node {e.node} GPUs {','.join(map(str, e.gpus))}"

@@ -42,7 +42,7 @@ class TrainerActor:
         from r3rl.train.trainer import MegatronTrainer
 
         os.environ.update(distributed.rendezvous_env(self.rank, self.world_size, master_addr, master_port))
-        set_trainer_threads(cfg.parallelism)  # the CPU Adam of an offloaded optimizer runs on this rank's CPUs
+        set_trainer_threads(cfg.parallelism, self.rank)
         self.trainer = MegatronTrainer(cfg)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

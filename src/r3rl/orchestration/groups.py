@@ -112,7 +112,8 @@ class TrainerGroup:
 
 
 class EngineGroup:
-    """The vLLM servers of the plan (or the one attached to), each owned by an ``EngineHost`` actor."""
+    """The vLLM servers of the plan (or the one attached to), each owned by an ``EngineHost`` actor. They start in
+    the background: ``wait_ready`` blocks until all of them answer (the trainer ranks start meanwhile)."""
 
     def __init__(self, cfg: R3RLConfig, plan: LaunchPlan, log_dir: Path, trainers: TrainerGroup | None):
         from r3rl.rollout.engine import VLLMEngine
@@ -121,6 +122,9 @@ class EngineGroup:
         self.pg = None
         self.attached = None
         self.info: list[dict[str, Any]] = []
+        self.urls: list[str] = []
+        self.starting: list[Any] = []  # the hosts' start calls not yet waited for
+        self.startup_timeout_s = cfg.rollout.engine.startup_timeout_s
         self.lost: set[str] = set()  # engines found gone: shutdown does not wait on their hosts
         if plan.attach_url:
             self.attached = VLLMEngine.attach(plan.attach_url)
@@ -150,10 +154,16 @@ class EngineGroup:
         for host, (_, visible), launch in zip(self.hosts, options, plan.engines):
             if visible is None and not p.logical_gpus:
                 visible = ",".join(ray.get(host.devices.remote())["gpu_ids"])
-            starts.append(host.start.remote(launch, str(log_dir), cfg.rollout.engine.startup_timeout_s,
+            starts.append(host.start.remote(launch, str(log_dir), self.startup_timeout_s,
                                              visible if not p.logical_gpus else None))
-        self.info = ray.get(starts)
-        self.urls = [i["url"] for i in self.info]
+        self.starting = starts
+
+    def wait_ready(self) -> None:
+        """Until every engine answers; an engine that failed to start raises its error here."""
+        if self.starting:
+            self.info = ray.get(self.starting)
+            self.urls = [i["url"] for i in self.info]
+            self.starting = []
 
     def dead(self, timeout_s: float = 10.0) -> list[str]:
         """The engines whose server process is gone, or whose host actor does not answer (its node is down), each
@@ -174,9 +184,11 @@ class EngineGroup:
         return out
 
     def shutdown(self) -> None:
-        for host, url in zip(self.hosts, self.urls):
+        if self.starting:  # the run failed while the engines started: a server is stopped once its start returned
+            ray.wait(self.starting, num_returns=len(self.starting), timeout=self.startup_timeout_s)
+        for i, host in enumerate(self.hosts):
             try:
-                ray.get(host.shutdown.remote(), timeout=5 if url in self.lost else 120)
+                ray.get(host.shutdown.remote(), timeout=5 if i < len(self.urls) and self.urls[i] in self.lost else 120)
             except Exception:  # the host died with its engine: its process group was killed with it
                 pass
             ray.kill(host)

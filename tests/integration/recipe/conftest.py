@@ -72,6 +72,19 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def processes_with(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (a private Ray session's temp folder)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text.encode() in (proc / "cmdline").read_bytes() and pid_alive(int(proc.name)):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
 def processes_of(run_dir: Path) -> list[int]:
     """PIDs the run recorded (engines, trainer actors, driver) plus every process of its private Ray session."""
     table = json.loads((run_dir / "processes.json").read_text())
@@ -80,13 +93,7 @@ def processes_of(run_dir: Path) -> list[int]:
     pids += [e["pid"] for e in table["engines"] if e.get("pid")]
     temp = table.get("ray_temp_dir")
     if temp:
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit():
-                try:
-                    if temp.encode() in (proc / "cmdline").read_bytes():
-                        pids.append(int(proc.name))
-                except OSError:
-                    continue
+        pids += processes_with(temp)
     return pids
 
 

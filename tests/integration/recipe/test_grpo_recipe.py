@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +16,8 @@ import pytest
 from r3rl import checkpoint
 from r3rl import metrics as M
 
-from .conftest import (EVAL_KEYS, assert_nothing_left, pid_alive, run_recipe, start_recipe, wait_for, wandb_runs)
+from .conftest import (EVAL_KEYS, assert_nothing_left, pid_alive, processes_with, run_recipe, start_recipe, wait_for,
+                       wandb_runs)
 
 pytestmark = pytest.mark.integration
 
@@ -154,6 +159,30 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, t
     assert all(M.LOGPROB_ABS_DIFF in rows[s] for s in (1, 2, 3))
     assert checkpoint.read_meta(checkpoint.latest(run_dir)).unlogged_metrics is None
     assert_nothing_left(run_dir)
+
+
+def test_an_engine_that_cannot_start_ends_the_run_naming_it_and_leaves_nothing(tmp_path, tiny_model_dir):
+    """The vLLM server starts in the background while the trainer ranks start; here it refuses an argument and exits.
+    The run must end with exit 1, the engine's error with its log's reason, and nothing it started left running (the
+    trainer rank, the engine's host, Ray). Fails if ``EngineGroup.wait_ready`` were dropped (the run would go on
+    against no engine), or if the cleanup skipped engine hosts whose start failed."""
+    run_dir = tmp_path / "engine_start"
+    ray_temp = Path(tempfile.mkdtemp(prefix="r3rl-t-"))  # given, so every process of the run's Ray can be found
+    try:
+        out = run_recipe(run_dir, "run.num_steps=1", "run.eval_every=0", f"ray.temp_dir={ray_temp}",
+                         "rollout.engine.extra_args=['--no-such-flag']")
+        log = out.stdout + out.stderr
+        assert out.returncode == 1, log[-3000:]
+        assert "no-such-flag" in log and "engine logs:" in log, log[-3000:]
+        assert not (run_dir / "processes.json").exists()  # written once the engines answer
+        deadline = time.monotonic() + 30
+        while (left := processes_with(str(ray_temp))) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes of the run's Ray still running: {left}"
+    finally:
+        shutil.rmtree(ray_temp, ignore_errors=True)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1], ids=["in_turn", "generating_ahead"])
