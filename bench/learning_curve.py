@@ -1,6 +1,6 @@
 """The learning figure: the default learning run with routing replay and without, same seeds, side by side.
 
-    python bench/learning_curve.py [--out outputs/learning] [--steps N] [override ...]
+    python bench/learning_curve.py [--out outputs/learning] [--steps N] [--seeds 1,2] [override ...]
 
 Runs ``python run.py rollout=vllm_r3`` and ``python run.py rollout=vllm`` one after the other (the default CPU
 recipe: SFT warm start, cached and shared by both, then GRPO), each into its own folder under ``--out``, then reads
@@ -12,6 +12,10 @@ problem (``r3rl.eval.records.paired_gain``), or without those records the two po
 independent. It writes the comparison picture
 (``--out/comparison.png``, by ``r3rl.dashboard``). Last line:
 ``learning: eval avg@k gain <g> (<n> standard errors); R3 <g3>, no replay <g0>``.
+
+``--seeds`` adds R3 runs with other ``rollout.sampling.seed`` values, the warm start and held-out set shared: one
+run's standard error counts only the eval's sampling, while another training trajectory moves the gain too, so this
+prints every run's gain and their mean with the standard error over runs.
 """
 
 from __future__ import annotations
@@ -76,23 +80,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--steps", type=int, default=None, help="run.num_steps (default: the recipe's)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
+    parser.add_argument("--seeds", default="", help="comma-separated rollout.sampling.seed values of more R3 runs")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    folders = []
-    for label, rollout in RUNS:
-        folder = out / rollout
-        cmd = [sys.executable, "run.py", f"rollout={rollout}", f"run.output_dir={folder}", *args.overrides]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+
+    def run(label: str, folder: Path, *extra: str) -> Path:
+        cmd = [sys.executable, "run.py", f"run.output_dir={folder}", *extra, *args.overrides]
         if args.steps is not None:
             cmd.append(f"run.num_steps={args.steps}")
         print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
-        folders.append(folder)
+        return folder
+
+    folders = [run(label, out / rollout, f"rollout={rollout}") for label, rollout in RUNS]
+    more = [run(f"R3, rollout seed {s}", out / f"vllm_r3_seed{s}", "rollout=vllm_r3", f"rollout.sampling.seed={s}")
+            for s in seeds]
     gains = [summarise(label, folder) for (label, _), folder in zip(RUNS, folders)]
     subprocess.run([sys.executable, "-m", "r3rl.dashboard", "--runs", *map(str, folders), "--out", str(out)],
                    cwd=REPO, check=False, stdout=subprocess.DEVNULL)
     print(f"\ncomparison picture: {out / 'comparison.png'}")
     (g3, se3), (g0, _) = gains
+    if seeds:
+        runs = [("the run above", g3)] + [(f"seed {s}", summarise(f"R3, rollout seed {s}", f)[0])
+                                           for s, f in zip(seeds, more)]
+        values = [g for _, g in runs]
+        mean = sum(values) / len(values)
+        se = math.sqrt(sum((g - mean) ** 2 for g in values) / (len(values) - 1) / len(values))
+        print(f"\nR3 gain over training trajectories: {', '.join(f'{n} {g:+.3f}' for n, g in runs)}; "
+              f"mean {mean:+.3f} +- {se:.3f} (standard error over the {len(values)} runs)")
     print(f"learning: eval avg@k gain {g3:.3f} ({g3 / se3:.1f} standard errors); R3 {g3:.3f}, no replay {g0:.3f}")
 
 
