@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 SFT_KEYS = (M.SFT_LOSS, M.SFT_GRAD_NORM, M.SFT_TOKENS_PER_S, M.SFT_LOSS_TOKENS, M.SFT_LR)
 # 3 steps of 16 solutions at a step large enough for the tiny model, evaluated before the first step and at the end;
 # checkpoints every step written in the background (each published at the next step, the last one waited for)
-SFT_RUN = ("recipe=sft", "run.num_steps=3", "run.eval_every=3", "trainer.lr=1e-3",
+SFT_RUN = ("recipe=sft", "run.num_steps=3", "run.eval_every=3", "run.save_every=1", "trainer.lr=1e-3",
            "trainer.max_tokens_per_micro_batch=512", "trainer.checkpoint.async_save=true")
 
 
