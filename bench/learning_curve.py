@@ -1,6 +1,6 @@
 """The learning figure: the default learning run with routing replay and without, same seeds, side by side.
 
-    python bench/learning_curve.py [--out outputs/learning] [--steps N] [--seeds 1,2] [override ...]
+    python bench/learning_curve.py [--out outputs/learning] [--steps N] [--seeds 1,2] [--data-seeds 7,8] [override ...]
 
 Runs ``python run.py rollout=vllm_r3`` and ``python run.py rollout=vllm`` one after the other (the default CPU
 recipe: SFT warm start, cached and shared by both, then GRPO), each into its own folder under ``--out``, then reads
@@ -15,7 +15,11 @@ independent. It writes the comparison picture
 
 ``--seeds`` adds R3 runs with other ``rollout.sampling.seed`` values, the warm start and held-out set shared: one
 run's standard error counts only the eval's sampling, while another training trajectory moves the gain too, so this
-prints every run's gain and their mean with the standard error over runs.
+prints every run's gain and their mean with the standard error over runs. ``--data-seeds`` adds R3 runs with other
+``data.seed`` values: each draws its own warm-start solutions and GRPO prompts, so it trains its own warm start (the
+largest source of spread between runs), and is scored on the same held-out problems (the held-out share is fixed by
+a hash of the problem, its draw by the eval's own seed). A folder that already holds the finished run is not
+trained again: ``run.py`` recognises it and prints its summary.
 """
 
 from __future__ import annotations
@@ -81,10 +85,13 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--steps", type=int, default=None, help="run.num_steps (default: the recipe's)")
     parser.add_argument("--seeds", default="", help="comma-separated rollout.sampling.seed values of more R3 runs")
+    parser.add_argument("--data-seeds", default="",
+                        help="comma-separated data.seed values of more R3 runs, each from its own warm start")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     seeds = [int(s) for s in args.seeds.split(",") if s]
+    data_seeds = [int(s) for s in args.data_seeds.split(",") if s]
 
     def run(label: str, folder: Path, *extra: str) -> Path:
         cmd = [sys.executable, "run.py", f"run.output_dir={folder}", *extra, *args.overrides]
@@ -95,16 +102,17 @@ def main() -> None:
         return folder
 
     folders = [run(label, out / rollout, f"rollout={rollout}") for label, rollout in RUNS]
-    more = [run(f"R3, rollout seed {s}", out / f"vllm_r3_seed{s}", "rollout=vllm_r3", f"rollout.sampling.seed={s}")
-            for s in seeds]
+    more = [(f"rollout seed {s}", run(f"R3, rollout seed {s}", out / f"vllm_r3_seed{s}", "rollout=vllm_r3",
+                                      f"rollout.sampling.seed={s}")) for s in seeds]
+    more += [(f"data seed {s}", run(f"R3, data seed {s}", out / f"vllm_r3_data{s}", "rollout=vllm_r3",
+                                    f"data.seed={s}")) for s in data_seeds]
     gains = [summarise(label, folder) for (label, _), folder in zip(RUNS, folders)]
     subprocess.run([sys.executable, "-m", "r3rl.dashboard", "--runs", *map(str, folders), "--out", str(out)],
                    cwd=REPO, check=False, stdout=subprocess.DEVNULL)
     print(f"\ncomparison picture: {out / 'comparison.png'}")
     (g3, se3), (g0, _) = gains
-    if seeds:
-        runs = [("the run above", g3)] + [(f"seed {s}", summarise(f"R3, rollout seed {s}", f)[0])
-                                           for s, f in zip(seeds, more)]
+    if more:
+        runs = [("the run above", g3)] + [(name, summarise(f"R3, {name}", f)[0]) for name, f in more]
         values = [g for _, g in runs]
         mean = sum(values) / len(values)
         se = math.sqrt(sum((g - mean) ** 2 for g in values) / (len(values) - 1) / len(values))
