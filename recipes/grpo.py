@@ -22,7 +22,7 @@ import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from r3rl import metrics as M
-from r3rl.config.modes import replay_mode, unreplayed_pass_due
+from r3rl.config.modes import pi_old_from_training_forward, replay_mode, unreplayed_pass_due
 from r3rl.config.schema import R3RLConfig
 from r3rl.data.arithmetic import ensure_prompts
 from r3rl.data.dataset import PromptDataset
@@ -48,6 +48,7 @@ class GRPORecipe(common.Recipe):
         self.replay_mode = replay_mode(cfg)
         self.r3 = self.replay_mode == "r3"
         self.correction = correction.Correction.of(cfg.correction)
+        self.pi_old_in_forward = pi_old_from_training_forward(cfg)
         self.max_staleness = cfg.algorithm.max_staleness
         # max_staleness >= 1: the batch the engines generate while the trainer trains (its step, its prompts, the
         # future of its first generation round, and the data state from before its prompts were drawn, which a
@@ -140,10 +141,13 @@ class GRPORecipe(common.Recipe):
 
         # 2. log-probs (pi_old). R3: with the rollout's routes replayed and (every replay.no_replay_every steps), on
         # the same batch, without. R2: live routing, recording the routes the trainer chose, which its training
-        # forwards then replay. none: live routing.
+        # forwards then replay. none: live routing. Where the training forward gives pi_old itself, bit for bit
+        # (r3rl.config.modes.pi_old_from_training_forward), it comes from there: one forward less a step.
         t = time.perf_counter()
         paired = unreplayed_pass_due(cfg, step)
-        replayed = self.trainers.call("logprobs", batch, replay=self.r3, record=self.replay_mode == "r2")
+        pi_old_in_forward = self.pi_old_in_forward and len(samples) == alg.global_batch_size
+        replayed = None if pi_old_in_forward else \
+            self.trainers.call("logprobs", batch, replay=self.r3, record=self.replay_mode == "r2")
         unreplayed = self.trainers.call("logprobs", batch, replay=False) if paired else None
         timings["logprobs"] = time.perf_counter() - t
         train_batch = batch
@@ -151,18 +155,22 @@ class GRPORecipe(common.Recipe):
             train_batch = ray.put([dataclasses.replace(s, routed_experts=r)
                                    for s, r in zip(samples, replayed.recorded_routes)])
 
-        # 3. train, on pi_old = the log-probs above, with the rollout correction of pi_old / pi_rollout per token
-        corrected = correction.correct(self.correction, replayed.logprobs, [s.rollout_logprobs for s in samples],
-                                       [s.loss_mask for s in samples])
+        # 3. train, on pi_old, with the rollout correction of pi_old / pi_rollout per token
         advantages = group_advantages(np.asarray(rewards, dtype=np.float64), np.asarray([s.group for s in samples]),
                                       alg.normalize_advantage_std)
-        t = time.perf_counter()
         per_token = [np.full(s.response_length, a, dtype=np.float32) for s, a in zip(samples, advantages)]
-        apply = self.correction.changes_training
-        train_out = self.trainers.call("train_step", train_batch, per_token, replay=self.replay_mode != "none",
-                                       old_logprobs=replayed.logprobs,
-                                       is_weights=corrected.weights if apply else None,
-                                       loss_masks=corrected.loss_masks if apply else None)
+        rollout_lps, masks = [s.rollout_logprobs for s in samples], [s.loss_mask for s in samples]
+        t = time.perf_counter()
+        if pi_old_in_forward:  # the correction changes nothing in the loss: its figures come after the update
+            replayed, train_out = self.trainers.call("train_on_policy", train_batch, per_token, replay=self.r3)
+            corrected = correction.correct(self.correction, replayed.logprobs, rollout_lps, masks)
+        else:
+            corrected = correction.correct(self.correction, replayed.logprobs, rollout_lps, masks)
+            apply = self.correction.changes_training
+            train_out = self.trainers.call("train_step", train_batch, per_token, replay=self.replay_mode != "none",
+                                           old_logprobs=replayed.logprobs,
+                                           is_weights=corrected.weights if apply else None,
+                                           loss_masks=corrected.loss_masks if apply else None)
         timings["train"] = time.perf_counter() - t
 
         # 4. sync weights: the engines serve the new policy from the next step on (ahead of the trainer: from the
@@ -176,10 +184,10 @@ class GRPORecipe(common.Recipe):
         # (routing flips need the engine's routes: from the unreplayed pass, the only one under R2 and none)
         live = unreplayed if self.r3 else (replayed if samples[0].routed_experts is not None else None)
         values = M.step_metrics(
-            rollout_logprobs=[s.rollout_logprobs for s in samples],
+            rollout_logprobs=rollout_lps,
             trainer_logprobs=replayed.logprobs,
             trainer_logprobs_no_replay=unreplayed.logprobs if unreplayed is not None else None,
-            loss_masks=[s.loss_mask for s in samples],
+            loss_masks=masks,
             rewards=rewards,
             response_lengths=[s.response_length for s in samples],
             prompt_lengths=[len(s.prompt_ids) for s in samples],
@@ -204,7 +212,6 @@ class GRPORecipe(common.Recipe):
         values.update(rollout_stats)
         if self.episodes is not None:  # the mismatch of each turn's tokens, with and without replay, same batch
             turns = [s.extra["turn_of_token"] for s in samples]
-            rollout_lps, masks = [s.rollout_logprobs for s in samples], [s.loss_mask for s in samples]
             values.update(M.per_turn_mismatch(replayed.logprobs, rollout_lps, masks, turns))
             if unreplayed is not None:
                 values.update(M.per_turn_mismatch(unreplayed.logprobs, rollout_lps, masks, turns,

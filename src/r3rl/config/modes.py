@@ -31,6 +31,21 @@ def unreplayed_pass_due(cfg, step: int) -> bool:
     return replay_mode(cfg) == "r3" and (step - 1) % cfg.replay.no_replay_every == 0
 
 
+def pi_old_from_training_forward(cfg) -> bool:
+    """Whether a GRPO step takes pi_old from its own training forward (``MegatronTrainer.train_on_policy``) rather
+    than from a no-grad pass first. It can when the step is one optimizer step (its samples one global batch: the
+    forward then runs on the weights pi_old stands for), its loss takes no correction weights or masks (computed from
+    pi_old before the loss: ``correction.name=none`` without the gate), the pass measures nothing else (R2 records
+    the trainer's own routes in it; without replay but with the engine's routes it measures the routing flips) and
+    there are no pipeline stages (1F1B interleaves forwards of several micro batches);
+    ``algorithm.separate_old_logprob_pass`` keeps the pass anyway."""
+    alg, corr, mode = cfg.algorithm, cfg.correction, replay_mode(cfg)
+    return (not alg.separate_old_logprob_pass and (mode == "r3" or (mode == "none" and not cfg.rollout.routing_replay))
+            and corr.name == "none" and corr.seq_error_threshold is None
+            and alg.rollout_batch_size * alg.n_samples_per_prompt == alg.global_batch_size
+            and cfg.parallelism.trainer.pipeline_parallel == 1)
+
+
 def resolve_dtype(value: str, device: str) -> str:
     """``auto``: bfloat16 on GPUs, float32 on the CPU profile."""
     if value != "auto":

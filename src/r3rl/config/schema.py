@@ -192,6 +192,8 @@ class GRPOConfig(Frozen):
     # DAPO's soft overlong punishment over the last overlong_buffer tokens before max_tokens (0: off)
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
+    # pi_old from a no-grad pass of its own even where the training forward gives the same numbers (modes)
+    separate_old_logprob_pass: bool = False
 
 
 @dataclass

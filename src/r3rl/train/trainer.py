@@ -261,13 +261,18 @@ class MegatronTrainer:
                         self.replay.clear()
             if self._ps.is_pipeline_last_stage():
                 for (mb, valid), lp in zip(mbs, token_lps):
-                    full = self.layout.gather_tokens(lp, group=self._ps.get_context_parallel_group(),
-                                                     segments=mb.segments)
-                    for b, (index, ok) in enumerate(zip(mb.indices, valid)):
-                        if ok:
-                            row, start, end = mb.scored(b)
-                            results[index] = full[row, start:end].float().cpu().numpy()
+                    self._keep_response_logprobs(mb, valid, lp, results)
         return results, (probe.counts if probe is not None else None)
+
+    def _keep_response_logprobs(self, mb: MicroBatch, valid: list[bool], token_lp: torch.Tensor,
+                                out: dict[int, np.ndarray]) -> None:
+        """Into ``out``, by sample index: the response log-probs of ``mb``'s real samples from its token log-probs
+        (last pipeline stage; gathered over context parallel, a collective of its ranks)."""
+        full = self.layout.gather_tokens(token_lp, group=self._ps.get_context_parallel_group(), segments=mb.segments)
+        for b, (index, ok) in enumerate(zip(mb.indices, valid)):
+            if ok:
+                row, start, end = mb.scored(b)
+                out[index] = full[row, start:end].float().cpu().numpy()
 
     def _pipelined(self, model, mbs: list[MicroBatch], *, replay: bool, forward_only: bool, probe=None,
                    loss=None, valid: list[list[bool]] | None = None) -> list:
@@ -404,11 +409,16 @@ class MegatronTrainer:
 
     def _accumulate(self, samples: Sequence[Sample], indices: list[int], per_token: dict[str, list[np.ndarray]],
                     routes: list[np.ndarray] | None, replay: bool,
-                    probe: RouteProbe | None = None, objective: str = "grpo") -> tuple[torch.Tensor, int]:
+                    probe: RouteProbe | None = None, objective: str = "grpo",
+                    pi_old: dict[int, np.ndarray] | None = None) -> tuple[torch.Tensor, int]:
         """Forward/backward over one global batch into the DDP grad buffers, then reduce and normalise them by the
         global loss-token count. Returns the summed loss terms and the backward-replay entries left unconsumed.
         ``probe`` checks, in these training forwards, that the routing maps used were the replayed routes.
-        ``objective``: ``grpo`` (the policy loss) or ``sft`` (the NLL of the loss-mask tokens)."""
+        ``objective``: ``grpo`` (the policy loss) or ``sft`` (the NLL of the loss-mask tokens).
+        ``pi_old`` (a dict, unpipelined only): the policy loss takes each forward's own log-probs, detached, as pi_old
+        (``per_token`` holds none), and the dict receives them per sample index, as ``logprobs`` would."""
+        if pi_old is not None and self.pipelined:
+            raise RuntimeError("pi_old from the training forward: not under pipeline parallel (1F1B)")
         from megatron.core.distributed import finalize_model_grads
 
         alg = self.cfg.algorithm
@@ -419,7 +429,8 @@ class MegatronTrainer:
             p = mb.per_token
             if objective == "sft":
                 return sft.nll_loss(token_lp, p["loss_mask"])
-            return grpo.policy_loss(token_lp, p["old_logprobs"], p["advantages"], p["loss_mask"],
+            old = token_lp.detach() if pi_old is not None else p["old_logprobs"]
+            return grpo.policy_loss(token_lp, old, p["advantages"], p["loss_mask"],
                                     clip_low=alg.clip_eps_low, clip_high=alg.clip_eps_high,
                                     ref_logprobs=p.get("ref_logprobs"),
                                     kl_coef=alg.kl_coef if alg.use_kl_loss else 0.0,
@@ -440,10 +451,12 @@ class MegatronTrainer:
                 num_tokens = None
             else:
                 terms_list = []
-                for mb, _ in mbs:
+                for mb, valid in mbs:
                     if probe is not None:
                         probe.expect(mb, replaying=replay)
                     token_lp = self._forward(self.model, mb, replay=replay, backward_follows=True)
+                    if pi_old is not None:
+                        self._keep_response_logprobs(mb, valid, token_lp.detach(), pi_old)
                     if probe is not None:  # activation recompute in backward re-runs the routers: not counted twice
                         probe.expect(None, replaying=False)
                     terms = loss(token_lp, mb)
@@ -468,16 +481,17 @@ class MegatronTrainer:
         return self._reduce_sums(sums), unconsumed
 
     def _per_token_inputs(self, samples: Sequence[Sample], advantages, old_logprobs, replay: bool,
-                          is_weights=None, loss_masks=None) -> dict[str, list[np.ndarray]]:
+                          is_weights=None, loss_masks=None, *, pi_old_from_forward: bool = False
+                          ) -> dict[str, list[np.ndarray]]:
         lengths = [s.response_length for s in samples]
         adv = grpo.per_token_advantages(advantages, lengths)
-        if old_logprobs is None:
-            # pi_old: the current weights on the same routes, before any update of this call
-            old_logprobs = self.logprobs(samples, replay=replay).logprobs
-        old = [np.asarray(o, dtype=np.float32) for o in old_logprobs]
         masks = loss_masks if loss_masks is not None else [s.loss_mask for s in samples]
-        per_token = {"advantages": adv, "old_logprobs": old,
-                     "loss_mask": [np.asarray(m, dtype=np.float32) for m in masks]}
+        per_token = {"advantages": adv, "loss_mask": [np.asarray(m, dtype=np.float32) for m in masks]}
+        if not pi_old_from_forward:
+            if old_logprobs is None:
+                # pi_old: the current weights on the same routes, before any update of this call
+                old_logprobs = self.logprobs(samples, replay=replay).logprobs
+            per_token["old_logprobs"] = [np.asarray(o, dtype=np.float32) for o in old_logprobs]
         if is_weights is not None:
             per_token["is_weights"] = [np.asarray(w, dtype=np.float32) for w in is_weights]
         for name, values in (("loss_mask", per_token["loss_mask"]), ("is_weights", per_token.get("is_weights"))):
@@ -503,6 +517,39 @@ class MegatronTrainer:
         An optimizer step whose every token is out of the loss (mask 0 or correction weight 0) is skipped with a
         warning: no forward, no optimizer step (``rejected_steps``, also counted in ``skipped_steps``).
         """
+        return self._train(samples, advantages, replay=replay, old_logprobs=old_logprobs, is_weights=is_weights,
+                           loss_masks=loss_masks)
+
+    def train_on_policy(self, samples: Sequence[Sample], advantages, *, replay: bool
+                        ) -> tuple[LogprobResult, dict[str, float]]:
+        """One optimizer step over ``samples`` (one global batch) whose pi_old is its own training forward's
+        log-probs, detached. Before the update they are the current weights' log-probs on the same routes: what a
+        no-grad pass (``logprobs``) would compute again, bit for bit on the CPU, for one forward more. So the ratio
+        is exactly 1 and the gradient that of ``train_step`` with that pass's pi_old (TRL's GRPO with
+        num_iterations=1 does the same). No correction weights or masks (they need pi_old before the loss), no
+        pipeline stages (1F1B interleaves the forwards). Returns pi_old as ``logprobs(samples, replay=replay)``
+        would, with the replay check of the training forwards and no routing-flip figures (the unreplayed pass
+        measures those), and ``train_step``'s metrics."""
+        gbs = self.cfg.algorithm.global_batch_size
+        if len(samples) != gbs:
+            raise ValueError(f"pi_old from the training forward needs one optimizer step: {len(samples)} samples, "
+                             f"algorithm.global_batch_size={gbs}")
+        kept: dict[int, np.ndarray] = {}
+        metrics = self._train(samples, advantages, replay=replay, pi_old=kept)
+        if metrics["rejected_steps"]:  # every token out of the loss: no forward ran (on any rank), the weights stand
+            return self.logprobs(samples, replay=replay), metrics
+        logprobs = collect.merge_by_index(kept, len(samples), "log-probs of the training forward")
+        num_layers = self.cfg.model.num_layers
+        if not replay:
+            return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0), metrics
+        mismatches = int(metrics["replay_mismatch_rows"])
+        matched = mismatches == 0 and metrics["replayed_rows"] > 0
+        return LogprobResult(logprobs, np.full(num_layers, np.nan), matched, mismatches), metrics
+
+    def _train(self, samples: Sequence[Sample], advantages, *, replay: bool,
+               old_logprobs: Sequence[np.ndarray] | None = None, is_weights: Sequence[np.ndarray] | None = None,
+               loss_masks: Sequence[np.ndarray] | None = None, pi_old: dict[int, np.ndarray] | None = None
+               ) -> dict[str, float]:
         if replay and self.replay is None:
             raise RuntimeError("train_step(replay=True) needs a model built with routing replay")
         gbs = self.cfg.algorithm.global_batch_size
@@ -510,7 +557,8 @@ class MegatronTrainer:
             raise ValueError(f"{len(samples)} samples do not split into global batches of {gbs} "
                              "(algorithm.global_batch_size)")
         routes = self._validated_routes(samples, required=True) if replay else None
-        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks)
+        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks,
+                                           pi_old_from_forward=pi_old is not None)
         probe = RouteProbe(self.routers, self.cfg.model.num_layers, self.layout, routes) \
             if replay and not self.pipelined else None
         totals = torch.zeros(6, dtype=torch.float64)
@@ -531,7 +579,7 @@ class MegatronTrainer:
                 norms.append(0.0)
                 continue
             with probe or contextlib.nullcontext():
-                sums, left = self._accumulate(samples, indices, per_token, routes, replay, probe)
+                sums, left = self._accumulate(samples, indices, per_token, routes, replay, probe, pi_old=pi_old)
             self.optimizer.set_lr(lr)
             ok, norm = self.optimizer.step()
             self.optimizer_step += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from megatron_helpers import HFReference, build_samples, random_routes, with_routes
@@ -49,6 +50,30 @@ def test_grpo_steps_raise_the_likelihood_of_advantaged_responses(new_trainer):
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert steps[0]["clip_frac"] == 0.0  # ratio exactly 1 against pi_old before the first update
     assert steps[-1]["step"] == 4
+
+
+def test_pi_old_from_the_training_forward_is_the_separate_pass_bit_for_bit(new_trainer):
+    """``train_on_policy`` (the default GRPO step) against a no-grad pi_old pass and ``train_step`` on it, from the
+    same weights. Fails if its pi_old were read after the update, on other routes (live instead of replayed) or off
+    the wrong tokens (the log-probs would differ), if the loss took anything but those log-probs detached (the
+    updated weights would differ, or nothing would move), or if the training forwards' replay check were lost."""
+    samples, adv = fixed_batch(seed=8)
+    separate = new_trainer("trainer.micro_batch_size=4")
+    pi_old = separate.logprobs(samples, replay=True)
+    expected = separate.train_step(samples, adv, replay=True, old_logprobs=pi_old.logprobs)
+    folded = new_trainer("trainer.micro_batch_size=4")
+    before = params(folded)
+    got, metrics = folded.train_on_policy(samples, adv, replay=True)
+    assert len(got.logprobs) == len(samples)
+    for i, (a, b) in enumerate(zip(got.logprobs, pi_old.logprobs)):
+        assert np.array_equal(a, b), f"sample {i}: pi_old differs from the no-grad pass"
+    assert got.replay_mismatch_rows == 0 and got.replayed_routes_match is True
+    assert metrics == expected  # every metric: loss, ratio (exactly 1), clip fraction, grad norm, lr, step
+    assert any(not torch.equal(p, before[n]) for n, p in params(folded).items())
+    for name, value in params(folded).items():
+        assert torch.equal(value, params(separate)[name]), name
+    with pytest.raises(ValueError, match="algorithm.global_batch_size=4"):
+        new_trainer("algorithm.global_batch_size=4").train_on_policy(samples, adv, replay=True)
 
 
 def test_resume_reproduces_the_next_step_exactly(new_trainer, tmp_path):

@@ -152,6 +152,28 @@ def test_the_paired_unreplayed_pass_runs_every_n_steps_under_r3_only():
     assert not any(unreplayed_pass_due(compose(["replay=r2"]), s) for s in range(1, 5))
 
 
+@pytest.mark.parametrize("overrides, folded", [
+    ([], True),  # the default run: R3, one optimizer step a step, no correction
+    (["rollout=vllm"], True),  # no routes, no replay: the pass measures nothing else
+    (["algorithm.separate_old_logprob_pass=true"], False),
+    (["replay=r2"], False),  # the pass records the trainer's routes the update replays
+    (["replay=none"], False),  # the engine's routes without replay: the pass measures the routing flips
+    (["correction=tis"], False),  # the weights come from pi_old before the loss
+    (["correction.seq_error_threshold=1.5"], False),
+    (["algorithm.global_batch_size=128"], False),  # two optimizer steps: the second's pi_old is not its forward's
+    (["model=qwen3_30b", GPU], True),
+    (["model=qwen3_30b", GPU, "parallelism.trainer.pipeline_parallel=2", "parallelism.trainer.expert_parallel=2",
+      "trainer.max_tokens_per_micro_batch=null"], False),
+])
+def test_pi_old_comes_from_the_training_forward_only_where_it_equals_the_pass(overrides, folded):
+    """Fails if a step whose loss or metrics need the separate pi_old pass (a correction's weights, R2's recorded
+    routes, the flips of unreplayed routes, a second optimizer step, 1F1B) took pi_old from its training forward, or
+    if the default run kept the extra pass."""
+    from r3rl.config.modes import pi_old_from_training_forward
+
+    assert pi_old_from_training_forward(compose(overrides)) is folded
+
+
 def test_qwen3_30b_parameter_estimate_matches_published_size():
     cfg = compose(["model=qwen3_30b", GPU])
     assert 30.0e9 < estimate_params(cfg.model) < 31.0e9  # Qwen3-30B-A3B: 30.5B parameters
