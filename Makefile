@@ -21,11 +21,11 @@ TRAINER_STAMP := $(TRAINER_VENV)/.r3rl-trainer.stamp
 # the trainer tests, and the wire format of the routes they train on (numpy's .npy errors differ on 3.12)
 TRAINER_TESTS := tests/unit/train tests/integration/train tests/unit/rollout/test_rollout_routed_experts.py
 TRAINER_TEST_ARGS ?=
-# uv installs the CPU venv and the trainer venv: on the 2-core machine .venv took 0:49 against pip's 2:39, and
-# .venv-trainer (6.6 GB, PyPI's CUDA torch) 1:07 from an empty uv cache. uv reads no pip configuration, so the wheel
-# folder pip would search (where the CPU build of torch lies) is passed on, and it compiles bytecode at install as
-# pip does (imports stay fast where PYTHONDONTWRITEBYTECODE is set). The GPU profile keeps pip: TransformerEngine's
-# source build is known to work there with pip's --no-build-isolation only.
+# uv installs the CPU venv and the trainer venv: on the 2-core machine, from an empty uv cache, .venv took 1:00
+# against pip's 2:39 and .venv-trainer (6.6 GB, PyPI's CUDA torch) 1:06 against 2:45. uv reads no pip configuration,
+# so the wheel folder pip would search (where the CPU build of torch lies) is passed on, and it compiles bytecode at
+# install as pip does (imports stay fast where PYTHONDONTWRITEBYTECODE is set). The GPU profile keeps pip:
+# TransformerEngine's source build is known to work there with pip's --no-build-isolation only.
 UV_PIN := uv==0.13.9
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(or $(PYTHON),python3) -m pip config get global.find-links 2>/dev/null))
 uv = $(1)/bin/python -m uv pip $(2) --python $(1)/bin/python -q

@@ -70,13 +70,17 @@ def main() -> None:
         columns += ["R3, pi_old pass", "R3 / R3 with the pass"]
     for col in columns:
         table.add_column(col, justify="right")
+    def ratio(a: float, b: float) -> str:
+        # a stage a run skips (no R3 without a correction runs no log-prob pass) has no ratio
+        return f"{a / b:.2f}" if b >= 0.005 else "-"
+
     for stage in STAGES + ("step",):
         key = "perf/step_time_s" if stage == "step" else f"perf/{stage}_time_s"
         a, b = mean("vllm_r3", key), mean("vllm", key)
-        row = [stage, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}"]
+        row = [stage, f"{a:.2f}", f"{b:.2f}", ratio(a, b)]
         if args.pi_old_pass:
             c = mean("vllm_r3_pi_old_pass", key)
-            row += [f"{c:.2f}", f"{a / c:.2f}"]
+            row += [f"{c:.2f}", ratio(a, c)]
         table.add_row(*row)
     console = Console()
     console.print(table)
