@@ -49,9 +49,9 @@ ifeq ($(PROFILE),cpu)
 	$(call uv,$(VENV),uninstall) torchvision torchaudio torchcodec
 	$(call uv_install,$(VENV)) -e compat/triton-cpu-backend
 else
-	$(VENV)/bin/python -m pip install -q --upgrade pip
 	# vLLM 0.32.0's torch 2.13.0 is a CUDA 13 build (driver >= 580); TE compiles here: needs CUDA 13's nvcc and cuDNN
 	scripts/check_gpu_driver.sh
+	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(VLLM_PIN)" setuptools pybind11 ninja
 	$(VENV)/bin/python -m pip install -q --no-build-isolation -e ".[gpu,test]"
 endif
