@@ -84,7 +84,8 @@ def test_recipe_trains_on_host_a_serves_from_host_b_and_ends_naming_b_when_it_di
     trained = 3
 
     def checkpointed_step() -> int:
-        return checkpoint.read_meta(checkpoint.latest(out)).step if (out / "checkpoints" / "latest").exists() else 0
+        return checkpoint.read_meta(checkpoint.latest(out)).step \
+            if (checkpoint.checkpoint_root(out) / "latest").is_file() else 0
 
     _wait_for(lambda: checkpointed_step() >= trained, f"step {trained}'s checkpoint", launch2, job, RUN_TIMEOUT)
 

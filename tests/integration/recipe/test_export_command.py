@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from r3rl import checkpoint
 from r3rl.net import free_port
 
 from .conftest import REPO, pid_alive
@@ -25,8 +26,6 @@ pytestmark = pytest.mark.integration
 
 # float32 engine, float32 trainer, float32 transformers on the same weights: they agree to float32 noise
 ATOL = 1e-4
-# r3_run's last step, whose checkpoint the export picks (no step asked)
-LAST_STEP = 2
 QUESTIONS = ("What is 3 + 4?", "Compute 12 * 7.", "What is 90 - 45?")
 
 
@@ -45,8 +44,8 @@ def session_processes(sid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, r3_run):
-    """(run folder, HF folder, the run's stdout, the export's stdout): ``r3_run``, then the export command into an
-    existing empty folder; the export's session must be empty once it returns."""
+    """(run folder, its latest checkpoint's step, HF folder, the run's stdout, the export's stdout): ``r3_run``, then
+    the export command into an existing empty folder; the export's session must be empty once it returns."""
     run_dir = r3_run
     out = tmp_path_factory.mktemp("export_hf")
     started = time.perf_counter()
@@ -64,16 +63,17 @@ def exported(tmp_path_factory, r3_run):
         time.sleep(0.5)
     left = session_processes(proc.pid)
     assert not left, f"the export left processes running: {left}"
-    return run_dir, out, (run_dir / "driver.log").read_text(), stdout
+    last_step = checkpoint.read_meta(checkpoint.latest(run_dir)).step
+    return run_dir, last_step, out, (run_dir / "driver.log").read_text(), stdout
 
 
 def test_export_writes_an_hf_folder_rank_by_rank_and_the_run_prints_the_command(exported, tiny_model_dir):
     """Fails if the end of a run stops printing the export command (recipes/common.py ``Recipe.report``), if the
     export no longer writes the trainer's per-rank safetensors files with their index, the config, the tokenizer or
     the chat template (``r3rl.train.export.write_hf``), or picks a step other than the latest checkpoint."""
-    run_dir, out, run_stdout, export_stdout = exported
+    run_dir, last_step, out, run_stdout, export_stdout = exported
     assert f"python -m r3rl.export {run_dir.resolve()} --out" in run_stdout
-    assert f"step {LAST_STEP}" in export_stdout and str(out) in " ".join(export_stdout.split())
+    assert f"step {last_step}" in export_stdout and str(out) in " ".join(export_stdout.split())
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
     assert files and all(f.startswith("model-rank00000-") and (out / f).is_file() for f in files)
@@ -105,7 +105,7 @@ def test_the_export_holds_the_checkpointed_trainers_weights_in_transformers_and_
     from r3rl.sample import Sample, SampleStatus
     from r3rl.train.trainer import MegatronTrainer
 
-    run_dir, out, _, _ = exported
+    run_dir, last_step, out, _, _ = exported
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                        add_generation_prompt=True), add_special_tokens=False).input_ids
@@ -132,7 +132,7 @@ def test_the_export_holds_the_checkpointed_trainers_weights_in_transformers_and_
 
     # the trainer as the run checkpointed it: the run's config, its last step's trainer state
     source = find_checkpoint(run_dir, None)
-    assert source.step == LAST_STEP
+    assert source.step == last_step
     with MegatronTrainer(run_cfg) as trainer:
         trainer.load_checkpoint(source.folder / "trainer")
         expected = trainer.logprobs(samples, replay=False).logprobs
