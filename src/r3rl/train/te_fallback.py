@@ -1,9 +1,12 @@
 """Megatron's fused GPU kernels when TransformerEngine (or Apex) is missing: on a GPU as much as on a CPU.
 
 The plan turns the GPU speed settings on for GPU layouts (``r3rl.plan.GPU_SPEED_SETTINGS``). Most of them are
-TransformerEngine kernels: without TE, Megatron refuses RoPE fusion and permute fusion at config time, has no
-grouped GEMM for the local spec, and needs Apex for gradient-accumulation fusion. A GPU machine without TE (the
-one-GPU check, a user's minimal install) still trains, with each missing kernel turned off and named in a warning.
+TransformerEngine kernels: without TE, Megatron refuses RoPE fusion and permute fusion at config time and has no
+grouped GEMM for the local spec. Gradient-accumulation fusion needs Apex's ``fused_weight_gradient_mlp_cuda`` whether
+TE is there or not: GPTModel's output layer is Megatron's own ``ColumnParallelLinear`` (TE's LM head only under
+MXFP8), whose constructor raises without that module, and TE does not ship it. A GPU machine without TE or Apex (the
+one-GPU check, a user's minimal install, the gpu profile, which installs TE but not Apex) still trains, with each
+missing kernel turned off and named in a warning.
 Independently of those settings, 0.16.1 calls ``te_general_gemm`` in the router's gating GEMM with no fallback when
 TE failed to import; ``guard_router_gemm`` gives it the torch path. Its OptimizerConfig also reads TE's version for
 the precision-aware optimizer and fails on ``None`` without TE: that option is turned off the same way. Megatron's
@@ -32,8 +35,12 @@ def have_transformer_engine() -> bool:
 
 
 def have_grad_accum_fusion() -> bool:
-    """Apex's ``fused_weight_gradient_mlp_cuda`` (Megatron's local linear layers) or TE's own linear layers."""
-    return have_transformer_engine() or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    """Apex's ``fused_weight_gradient_mlp_cuda`` imported, by the flag Megatron's ``ColumnParallelLinear`` checks
+    before it raises (the module's presence where an older Megatron lacks the flag)."""
+    from megatron.core.tensor_parallel import layers
+
+    flag = getattr(layers, "_grad_accum_fusion_available", None)
+    return bool(flag) if flag is not None else importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def available_kernels(transformer: dict[str, Any], *, have_te: bool, have_apex_fusion: bool
@@ -41,7 +48,8 @@ def available_kernels(transformer: dict[str, Any], *, have_te: bool, have_apex_f
     """``transformer`` with every fused kernel this install lacks turned off, and the names of those turned off."""
     out = dict(transformer)
     missing = [] if have_te else [k for k in NEEDS_TRANSFORMER_ENGINE if out.get(k)]
-    if out.get("gradient_accumulation_fusion") and not (have_te or have_apex_fusion):
+    # TE's layers fuse it themselves, but the output layer is Megatron's own: it needs Apex's module with or without TE
+    if out.get("gradient_accumulation_fusion") and not have_apex_fusion:
         missing.append("gradient_accumulation_fusion")
     for key in missing:
         out[key] = False

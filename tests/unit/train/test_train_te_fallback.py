@@ -19,9 +19,42 @@ def test_without_te_the_te_kernels_go_and_megatrons_own_stays():
     assert with_apex["gradient_accumulation_fusion"] is True and "gradient_accumulation_fusion" not in missing
 
 
-def test_with_te_every_setting_stays():
-    out, missing = te_fallback.available_kernels(ALL_ON, have_te=True, have_apex_fusion=False)
+def test_with_te_and_apex_every_setting_stays():
+    out, missing = te_fallback.available_kernels(ALL_ON, have_te=True, have_apex_fusion=True)
     assert out == ALL_ON and missing == []
+
+
+def test_te_without_apex_turns_gradient_accumulation_fusion_off():
+    """TE installed, Apex not (what the gpu profile installs): GPTModel's output layer is Megatron's own
+    ColumnParallelLinear, which raises at build without Apex's module. Fails if ``available_kernels`` lets TE stand
+    in for Apex again (the model build crashed at ``build_gpt`` on a standard GPU install)."""
+    out, missing = te_fallback.available_kernels(ALL_ON, have_te=True, have_apex_fusion=False)
+    assert missing == ["gradient_accumulation_fusion"]
+    assert out["gradient_accumulation_fusion"] is False
+    assert all(out[k] for k in ALL_ON if k != "gradient_accumulation_fusion")
+
+
+@pytest.mark.parametrize("apex", [False, True], ids=["no_apex", "apex"])
+def test_gpu_model_settings_agree_with_megatrons_output_layer_check(compose_cfg, monkeypatch, apex):
+    """A GPU layout's TransformerConfig settings with TransformerEngine importable (simulated: this machine has no
+    TE) and Apex's module missing or present (simulated through the flag Megatron's ``ColumnParallelLinear``
+    checks). The setting must be exactly what that constructor accepts: on without Apex it raises RuntimeError at
+    model build, off with Apex loses the fused weight-gradient GEMM. Fails if the decision reads TE's presence
+    instead of Megatron's flag."""
+    from megatron.core.tensor_parallel import layers
+
+    from r3rl.train.model import model_settings
+
+    monkeypatch.setattr(te_fallback, "have_transformer_engine", lambda: True)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", apex)
+    cfg = compose_cfg("model=tiny_moe", "parallelism=colocated")
+    if apex:
+        settings = model_settings(cfg)
+    else:
+        with pytest.warns(UserWarning, match="without gradient_accumulation_fusion"):
+            settings = model_settings(cfg)
+    assert settings.transformer["gradient_accumulation_fusion"] is apex
+    assert settings.transformer["moe_grouped_gemm"] is True  # TE's kernels stay: TE is (simulated) there
 
 
 def test_precision_aware_optimizer_needs_te():
