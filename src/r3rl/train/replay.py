@@ -281,11 +281,13 @@ class RouteProbe:
             self._host.prompt_rows[layer] += int(exp.prompt.sum())
             acc["flips"][layer] += (flipped & response).sum()
             acc["prompt_flips"][layer] += (flipped & prompt).sum()
+            # masks and scatters only: a boolean index runs nonzero and CUDA's bincount reads its range back, each
+            # a host sync per router call
             if experts > k:  # metrics.router_margins' definition, in float64 as there
-                margins = (top.values[:, k - 1].double() - top.values[:, k].double())[response]
-                acc["margin_sum"][layer] += margins.sum()
-                acc["small_margins"][layer] += (margins < M.SMALL_ROUTER_MARGIN).sum()
-            acc["expert_load"][layer] += torch.bincount(own[response].flatten(), minlength=experts)
+                margins = top.values[:, k - 1].double() - top.values[:, k].double()
+                acc["margin_sum"][layer] += torch.where(response, margins, 0.0).sum()
+                acc["small_margins"][layer] += ((margins < M.SMALL_ROUTER_MARGIN) & response).sum()
+            acc["expert_load"][layer].scatter_add_(0, own.flatten(), response[:, None].expand(-1, k).flatten().long())
             if self._replaying:
                 used = output[1].view(-1, experts)[rows].bool()
                 expected = torch.zeros_like(used).scatter(1, rollout, True)

@@ -122,6 +122,51 @@ def test_router_margins_and_expert_load_come_from_the_routers_own_choice_on_resp
     assert ((live.small_margin_per_layer >= 0) & (live.small_margin_per_layer <= 1)).all()
 
 
+# aten ops that read a device value back to the host: a data-dependent output shape (nonzero and what calls it),
+# a Python scalar, and bincount (CUDA's reads min()/max() to size its output)
+_SYNCING_OPS = ("nonzero", "_local_scalar_dense", "bincount", "masked_select", "unique", "_unique2",
+                "repeat_interleave", "item")
+
+
+def test_the_probe_reads_nothing_back_per_router_call(policy, monkeypatch):
+    """Every aten op the probe's router hook runs, recorded with torch's dispatch mode over a replayed and an
+    unreplayed pass (micro batches with padding slots): none of them syncs with the host on a GPU (no boolean-mask
+    index, which runs nonzero; no bincount; no ``.item()``). The counting shim stands in for CUDA's
+    ``set_sync_debug_mode``, which the GPU check runs. Fails if the margins or the expert load go back to
+    ``[response]`` indexing or ``torch.bincount``, or a count is read with ``int()`` inside the hook."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from r3rl.train.replay import RouteProbe
+
+    seen: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                       for i in (args[1] if len(args) > 1 else ())):
+                name = "index(bool mask)"
+            seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    hook = RouteProbe._hook
+
+    def recorded(self, router, args, output):
+        with Record():
+            hook(self, router, args, output)
+
+    monkeypatch.setattr(RouteProbe, "_hook", recorded)
+    samples = routed(policy, n=6, routes="random")
+    assert len(samples) % policy.cfg.trainer.micro_batch_size != 0, "padding slots make the response mask partial"
+    replayed = policy.logprobs(samples, replay=True)
+    live = policy.logprobs(samples, replay=False)
+    assert replayed.replay_mismatch_rows == 0 and (live.flip_per_layer > 0).all()  # the hooks ran and counted
+    syncing = sorted({n for n in seen if n in _SYNCING_OPS or n == "index(bool mask)"})
+    assert syncing == [], f"host syncs in the probe's router hook: {syncing}"
+    assert "topk" in seen  # the shim saw the hook's ops
+
+
 def test_probe_margins_equal_metrics_definition_on_the_same_router_logits(policy, hf_reference):
     """The probe accumulates margins on the device (no host copy per router call); per layer its mean over the
     response rows equals ``metrics.router_margins`` on transformers' router logits of the same float32 checkpoint,
