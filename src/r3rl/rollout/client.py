@@ -9,6 +9,10 @@ Ending a rollout early: ``pause_abort()`` pauses every engine with ``mode=abort`
 ``finish_reason="abort"``) and waits until they are all back; ``resume()`` restarts the engines. Aborted samples
 are never returned as trainable: with ``on_abort="regenerate"`` (default) they are sent again after the resume,
 with ``on_abort="drop"`` they (and samples not yet sent) are left out of the result.
+
+A request has no deadline of its own: vLLM queues what its KV cache cannot hold, so the last requests of a step
+sent at once wait for whole decodes before they start. ``request_timeout_s`` bounds how long an engine with
+requests in flight may go without answering any of them: a request fails only when its engine stopped answering.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Literal
 
@@ -86,6 +91,9 @@ class RolloutClient:
         self._aborting = False
         self._in_flight = 0
         self._drained: asyncio.Event | None = None
+        # per engine: requests in flight, and when it last answered one (or went busy, or was resumed)
+        self._busy: dict[str, int] = dict.fromkeys(self.urls, 0)
+        self._answered_at: dict[str, float] = dict.fromkeys(self.urls, time.monotonic())
 
     @classmethod
     def from_config(cls, cfg, urls: Sequence[str], **kwargs) -> RolloutClient:
@@ -173,7 +181,8 @@ class RolloutClient:
         """One HTTP session per engine for the requests of a rollout or a batch of episodes; the caller closes
         them."""
         self._ensure_loop_state()
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=30.0)
+        # no total: a request may wait in the engine's queue for as long as the engine answers others (_post)
+        timeout = aiohttp.ClientTimeout(total=None, connect=30.0)
         return {u: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=self.max_concurrency))
                 for u in self.urls}
 
@@ -204,17 +213,20 @@ class RolloutClient:
 
     async def _post(self, client: aiohttp.ClientSession, url: str, body: dict, named: str, rid: str) -> bytes:
         self._in_flight += 1
+        if self._busy[url] == 0:  # the engine's idle clock starts when it gets work
+            self._answered_at[url] = time.monotonic()
+        self._busy[url] += 1
         try:
-            async with client.post(f"{url}{GENERATE_PATH}", json=body) as resp:
-                status, content = resp.status, await resp.read()
-        except asyncio.TimeoutError as err:  # aiohttp's timeouts are TimeoutErrors
-            raise EngineError(f"engine {url}: {named} (request {rid}) got no answer within "
-                              f"{self.request_timeout_s:.0f}s ({type(err).__name__})", url=url) from err
+            status, content = await self._answer_or_engine_idle(client, url, body, named, rid)
+        except asyncio.TimeoutError as err:  # aiohttp's connect timeout
+            raise EngineError(f"engine {url}: {named} (request {rid}) could not connect within 30s "
+                              f"({type(err).__name__})", url=url) from err
         except aiohttp.ClientError as err:
             raise EngineError(f"engine {url} failed during {named} (request {rid}): "
                               f"{type(err).__name__}: {err or 'connection lost'} (did the server die?)",
                               url=url) from err
         finally:
+            self._busy[url] -= 1
             self._in_flight -= 1
             if self._in_flight == 0 and self._drained is not None:
                 self._drained.set()
@@ -225,6 +237,34 @@ class RolloutClient:
             raise EngineError(f"engine {url}: {named} (request {rid}) failed with HTTP {status}: "
                               f"{content[:2000].decode(errors='replace')}", url=url)
         return content
+
+    async def _answer_or_engine_idle(self, client: aiohttp.ClientSession, url: str, body: dict, named: str,
+                                     rid: str) -> tuple[int, bytes]:
+        """The request's (status, body), or EngineError once ``url`` has answered none of its requests in flight for
+        ``request_timeout_s`` (the request is cancelled: vLLM aborts a request whose connection closes)."""
+
+        async def send() -> tuple[int, bytes]:
+            async with client.post(f"{url}{GENERATE_PATH}", json=body) as resp:
+                return resp.status, await resp.read()
+
+        task = asyncio.create_task(send())
+        try:
+            while True:
+                idle = time.monotonic() - self._answered_at[url]
+                if idle >= self.request_timeout_s:
+                    raise EngineError(f"engine {url}: {named} (request {rid}) got no answer, and the engine answered "
+                                      f"none of its {self._busy[url]} request(s) in flight for {idle:.0f}s "
+                                      f"(rollout.engine.request_timeout_s={self.request_timeout_s:g}): is it hung?",
+                                      url=url)
+                done, _ = await asyncio.wait({task}, timeout=self.request_timeout_s - idle)
+                if done:
+                    answer = task.result()
+                    self._answered_at[url] = time.monotonic()
+                    return answer
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     # -- ending a rollout early ---------------------------------------------------------------------------------
     def _ensure_loop_state(self) -> None:
@@ -258,6 +298,7 @@ class RolloutClient:
         assert self._running is not None
         await self._control("/resume")
         self._aborting = False
+        self._answered_at = dict.fromkeys(self.urls, time.monotonic())  # a paused engine was not idle
         self._running.set()
 
     async def _control(self, path: str, params: dict | None = None, json: dict | None = None) -> None:
