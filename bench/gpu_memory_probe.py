@@ -14,15 +14,17 @@ to ``r3rl.memory.trainer_parts`` for the same slice; the last line is ``memory p
 terms that torch's allocator sees (all but ``runtime``: CUDA context, NCCL, fragmentation) over the step's peak.
 Exit 0 when the ratio is within [0.9, 1.2], 4 outside, 3 without a CUDA GPU (1: it failed).
 
-Without TransformerEngine (the one-GPU check carries none) Megatron's local spec computes attention unfused, with an
-S x S score matrix per head (32 x 9216^2 in bf16, 5.4 GB, plus its float32 softmax); the plan assumes fused attention
-(TE in the gpu profile). The probe then swaps the core attention for torch's ``scaled_dot_product_attention`` (a
-fused kernel, math fallback excluded) so it measures what the plan describes; with TE it runs r3rl's spec as is. For
-the same reason the plan side takes ``trainer.precision_aware_optimizer`` as this install runs it (off without TE,
-where r3rl's ``te_fallback`` turns it off: then the float32 master weights stay on the GPU).
+Without TransformerEngine (the one-GPU check carries none) r3rl's local layer spec runs its core attention through
+torch's fused ``scaled_dot_product_attention`` on CUDA (``r3rl.train.te_fallback.local_core_attention``; Megatron's
+own local attention would keep an S x S score matrix per head, 32 x 9216^2 in bf16 plus its float32 softmax), so the
+probe measures r3rl's spec as it runs, with TE or without. ``--packed`` feeds the micro batch as one packed (THD) row
+of one segment, the way ``trainer.packing`` does, through that attention's packed path. For the same reason the plan
+side takes ``trainer.precision_aware_optimizer`` as this install runs it (off without TE, where r3rl's
+``te_fallback`` turns it off: then the float32 master weights stay on the GPU).
 
     python bench/gpu_memory_probe.py               # on one GPU
     python bench/gpu_memory_probe.py --layers 2 4  # and the per-layer slope (scripts/gpu_check.sh runs this)
+    python bench/gpu_memory_probe.py --packed      # the micro batch as one packed 9216-token segment
     python bench/gpu_memory_probe.py --plan-only   # anywhere: the plan side only
     python bench/gpu_memory_probe.py --cpu-smoke   # development: a tiny slice through the same code on the CPU
 """
@@ -30,7 +32,6 @@ where r3rl's ``te_fallback`` turns it off: then the float32 master weights stay 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import math
 import sys
@@ -184,72 +185,6 @@ def comparison_rows(plan: PlanSide, got: Measured) -> list[str]:
     ]
 
 
-# ----------------------------------------------------------------------------------------------- fused attention
-
-def fused_core_attention_class():
-    """Megatron's core-attention interface over ``torch.nn.functional.scaled_dot_product_attention``."""
-    import torch
-
-    class FusedCoreAttention(torch.nn.Module):
-        """Drop-in for Megatron's local ``DotProductAttention`` (``[sq, b, np, hn]`` query, ``[sk, b, ng, hn]``
-        key/value, ``[sq, b, np * hn]`` out; a boolean mask marks masked positions True, None means causal), but
-        fused: no S x S matrix is kept. Key/value heads repeat per query group as Megatron's does; on CUDA the
-        math backend (which would materialise the scores) is excluded, so an ineligible call fails loudly."""
-
-        def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type=None,
-                     attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None, **_):
-            super().__init__()
-            self.config = config
-            self.softmax_scale = softmax_scale
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None, **_):
-            if attention_bias is not None or packed_seq_params is not None:
-                raise NotImplementedError("FusedCoreAttention: no attention bias or packed sequences")
-            sq, b, heads, hn = query.shape
-            groups = key.shape[2]
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
-            if groups != heads:
-                k = k.repeat_interleave(heads // groups, dim=1)
-                v = v.repeat_interleave(heads // groups, dim=1)
-            scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(hn)
-            kwargs = {"is_causal": True} if attention_mask is None else {"attn_mask": ~attention_mask.bool()}
-            if q.is_cuda:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                fused = [getattr(SDPBackend, n) for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION",
-                                                          "CUDNN_ATTENTION") if hasattr(SDPBackend, n)]
-                with sdpa_kernel(fused):
-                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, **kwargs)
-            else:
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, **kwargs)
-            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
-
-    return FusedCoreAttention
-
-
-def with_core_attention(spec, core_attention):
-    """A copy of a transformer-layer spec whose self-attention uses ``core_attention``."""
-    spec = copy.deepcopy(spec)
-    spec.submodules.self_attention.submodules.core_attention = core_attention
-    return spec
-
-
-def use_fused_attention() -> None:
-    """Route ``r3rl.train.model.build_gpt``'s layer spec through ``with_core_attention`` (this process only)."""
-    from r3rl.train import model as model_lib
-
-    if getattr(model_lib.layer_spec, "_fused_probe", False):
-        return
-    original, fused = model_lib.layer_spec, fused_core_attention_class()
-
-    def layer_spec(config):
-        return with_core_attention(original(config), fused)
-
-    layer_spec._fused_probe = True
-    model_lib.layer_spec = layer_spec
-
-
 # ----------------------------------------------------------------------------------------------- measurement
 
 class CudaMeter:
@@ -299,8 +234,10 @@ class NullMeter:
         return None
 
 
-def run_step(cfg, meter, fused_attention: bool) -> Measured:
-    """Build the slice with r3rl's code and run one training step as ``MegatronTrainer`` does, metering each phase."""
+def run_step(cfg, meter, packed: bool = False) -> Measured:
+    """Build the slice with r3rl's code and run one training step as ``MegatronTrainer`` does, metering each phase
+    (``packed``: the micro batch's tokens as one THD row of one segment, as ``MegatronTrainer._packed_seq_params``
+    describes a packed row)."""
     import torch
     from megatron.core import tensor_parallel
     from megatron.core.distributed import finalize_model_grads
@@ -321,9 +258,8 @@ def run_step(cfg, meter, fused_attention: bool) -> Measured:
         bare = model_lib.build_gpt(settings, device)
         got.weights = meter.now() - before_build
         kinds = {type(m).__name__ for m in bare.modules()}
-        if fused_attention and "FusedCoreAttention" not in kinds:
-            raise RuntimeError("the slice was built without the fused core attention: r3rl.train.model.build_gpt no "
-                               "longer takes its spec from r3rl.train.model.layer_spec")
+        if not (kinds & {"LocalCoreAttention", "TEDotProductAttention"}):
+            raise RuntimeError(f"the slice's core attention is neither r3rl's local one nor TE's: {sorted(kinds)}")
         model = model_lib.wrap_ddp(bare, settings)
         got.gradients = meter.now() - before_build - got.weights
         optimizer = optim.build_optimizer(cfg, model, settings.dtype, settings.use_distributed_optimizer)
@@ -335,19 +271,29 @@ def run_step(cfg, meter, fused_attention: bool) -> Measured:
         samples, seq = plan.batch
         m, alg = cfg.model, cfg.algorithm
         gen = torch.Generator(device="cpu").manual_seed(0)
+        if packed:  # one row holding every token, one segment per sample
+            samples, seq = 1, samples * seq
         tokens = torch.randint(0, m.vocab_size, (samples, seq), generator=gen).to(device)
         labels = torch.randint(0, m.vocab_size, (samples, seq), generator=gen).to(device)
         position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(samples, seq)
         advantages = torch.linspace(-1, 1, samples * seq, device=device).view(samples, seq)
         loss_mask = torch.ones(samples, seq, device=device)
-        mask = cpu_compat.attention_mask(seq, device)
+        mask, forward_kwargs = cpu_compat.attention_mask(seq, device), {}
+        if packed:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = torch.arange(0, seq + 1, plan.batch[1], dtype=torch.int32, device=device)
+            position_ids = (torch.arange(seq, device=device) % plan.batch[1]).unsqueeze(0)
+            mask, forward_kwargs = None, {"packed_seq_params": PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                max_seqlen_q=plan.batch[1], max_seqlen_kv=plan.batch[1])}
 
         model.train()
         model.zero_grad_buffer()
         optimizer.zero_grad()
         resident = meter.now()
         meter.reset()
-        output = model(tokens, position_ids, mask)
+        output = model(tokens, position_ids, mask, **forward_kwargs)
         token_lp = -tensor_parallel.vocab_parallel_cross_entropy(output.float(), labels)
         del output
         terms = grpo.policy_loss(token_lp, token_lp.detach(), advantages, loss_mask,
@@ -389,6 +335,8 @@ def parse(argv):
                    help="decoder layers of the slice (default 2); two or more counts also check the plan's per-layer "
                         "slope (kept inputs, expert weights and their gradients) against the measured one")
     p.add_argument("--plan-only", action="store_true", help="print the plan side only (no GPU needed)")
+    p.add_argument("--packed", action="store_true",
+                   help="feed the micro batch as one packed THD row (trainer.packing's path through the attention)")
     p.add_argument("--te", choices=("auto", "yes", "no"), default="auto",
                    help="--plan-only: plan as with TransformerEngine or without (auto: whether it is installed)")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -422,12 +370,8 @@ def main(argv: list[str] | None = None) -> int:
 
     te = te_fallback.have_transformer_engine()
     extra = (CPU_SMOKE_MODEL if args.cpu_smoke else []) + list(args.overrides)  # the command line wins
-    if te:
-        say("attention: TransformerEngine's fused attention (r3rl's spec as is)")
-    else:
-        use_fused_attention()
-        say("attention: torch scaled_dot_product_attention (fused) in place of Megatron's local DotProductAttention "
-            "(no TransformerEngine; the plan assumes fused attention)")
+    shape = "one packed THD row" if args.packed else "padded micro batch"
+    say(f"attention: {'TransformerEngine' if te else 'r3rl local spec, torch SDPA on CUDA'} ({shape})")
     if not args.cpu_smoke:
         say(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     points = []  # (layers, plan, measured)
@@ -436,13 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_side(cfg)
         say(describe(cfg, plan, te))
         if args.cpu_smoke:
-            got = run_step(cfg, NullMeter(), fused_attention=not te)
+            got = run_step(cfg, NullMeter(), packed=args.packed)
             say(f"cpu smoke: one step ran in {got.seconds:.1f}s, loss {got.loss:.4f}, grad norm {got.grad_norm:.4f}; "
                 "no memory measured on a CPU")
             if not (math.isfinite(got.loss) and math.isfinite(got.grad_norm)):
                 return 1
             continue
-        got = run_step(cfg, CudaMeter(), fused_attention=not te)
+        got = run_step(cfg, CudaMeter(), packed=args.packed)
         torch.cuda.empty_cache()  # the next slice's reserved-memory figures start from nothing cached
         print("\n".join(comparison_rows(plan, got)))
         points.append((layers, plan, got))

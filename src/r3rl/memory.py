@@ -14,7 +14,8 @@ Trainer rank (Megatron, distributed optimizer as Megatron shards it):
   The budget bounds the tokens a micro batch feeds either way: a packed row (``trainer.packing``) holds its samples'
   own tokens plus alignment, a padded micro batch its samples x their longest.
   Without recompute every layer keeps its working set; with full recompute each layer keeps its input and one
-  layer's working set is rebuilt at a time. Attention is assumed fused (TransformerEngine / flash): no S x S scores;
+  layer's working set is rebuilt at a time. Attention is fused (TransformerEngine, or torch's SDPA in the local
+  spec on CUDA: r3rl.train.te_fallback): no S x S scores;
 - logits: the output layer's ``[T, vocab / TP]`` in ``params_dtype`` plus the float32 copy the cross entropy works on
   (its gradient is written into that copy in place: 6.05 bytes per logit measured in bf16, ``bench/gpu_memory_probe.py``);
 - runtime: CUDA context, NCCL buffers and allocator slack, a fixed allowance;

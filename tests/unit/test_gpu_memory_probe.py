@@ -1,10 +1,10 @@
 """The CPU-side parts of ``bench/gpu_memory_probe.py`` (issue 23 item 8): the slice it plans for, its plan side, its
-refusal without CUDA, and the fused core attention it builds the slice with when TransformerEngine is missing."""
+refusal without CUDA (the fused core attention it runs without TransformerEngine is r3rl's own:
+tests/unit/train/test_train_te_fallback.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 from pathlib import Path
 
@@ -90,36 +90,3 @@ def test_plan_only_runs_anywhere_and_the_measurement_refuses_without_cuda(probe,
         pytest.skip("a CUDA GPU is visible: the refusal is not reachable")
     assert probe.main([]) == probe.NO_CUDA_EXIT == 3
     assert "no CUDA GPU" in capsys.readouterr().out
-
-
-def reference_attention(query, key, value, mask=None):
-    """Softmax attention written out: query head h reads key/value group h // (heads / groups), causal."""
-    sq, b, heads, hn = query.shape
-    groups = key.shape[2]
-    out = torch.empty(sq, b, heads, hn, dtype=query.dtype)
-    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
-    for batch in range(b):
-        for h in range(heads):
-            g = h // (heads // groups)
-            scores = query[:, batch, h] @ key[:, batch, g].T / math.sqrt(hn)
-            masked = causal if mask is None else mask[min(batch, mask.shape[0] - 1), 0]
-            scores = scores.masked_fill(masked, float("-inf"))
-            out[:, batch, h] = torch.softmax(scores, dim=-1) @ value[:, batch, g]
-    return out.reshape(sq, b, heads * hn)
-
-
-@pytest.mark.parametrize("explicit_mask", [False, True])
-def test_fused_core_attention_is_causal_grouped_query_attention(probe, explicit_mask):
-    """Fails if the probe's stand-in for Megatron's DotProductAttention computes something else: keys/values
-    repeated per head instead of per query group (``repeat`` for ``repeat_interleave``), no causal mask when
-    Megatron passes none, the mask's polarity flipped (Megatron marks masked positions True), or another layout
-    than ``[sq, b, heads * hn]`` out."""
-    gen = torch.Generator().manual_seed(3)
-    sq, b, heads, groups, hn = 7, 2, 4, 2, 8
-    query = torch.randn(sq, b, heads, hn, generator=gen)
-    key, value = (torch.randn(sq, b, groups, hn, generator=gen) for _ in range(2))
-    mask = torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)[None, None] if explicit_mask else None
-    attention = probe.fused_core_attention_class()(config=None, layer_number=1)
-    got = attention(query, key, value, mask, attn_mask_type=None)
-    assert got.shape == (sq, b, heads * hn)
-    torch.testing.assert_close(got, reference_attention(query, key, value, mask), rtol=1e-5, atol=1e-5)

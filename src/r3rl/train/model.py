@@ -97,8 +97,8 @@ def layer_spec(config):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True,
         normalization="RMSNorm")
-    # the local attention with a packed (THD) path, which TE's attention has natively
-    spec.submodules.self_attention.submodules.core_attention = te_fallback.packed_core_attention()
+    # the local attention with a packed (THD) path, which TE's attention has natively, fused on CUDA
+    spec.submodules.self_attention.submodules.core_attention = te_fallback.local_core_attention()
     return spec
 
 

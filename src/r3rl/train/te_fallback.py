@@ -9,9 +9,13 @@ one-GPU check, a user's minimal install, the gpu profile, which installs TE but 
 missing kernel turned off and named in a warning.
 Independently of those settings, 0.16.1 calls ``te_general_gemm`` in the router's gating GEMM with no fallback when
 TE failed to import; ``guard_router_gemm`` gives it the torch path. Its OptimizerConfig also reads TE's version for
-the precision-aware optimizer and fails on ``None`` without TE: that option is turned off the same way. Megatron's
-local attention refuses packed (THD) input, which TE's attention takes natively: ``packed_core_attention`` is the
-local attention with a packed path, what the local layer spec (CPU, or a GPU without TE) is built with.
+the precision-aware optimizer and fails on ``None`` without TE: that option is turned off the same way.
+
+The local layer spec (CPU, or a GPU without TE) is built with ``local_core_attention``: Megatron's local
+``DotProductAttention`` with a packed (THD) path, which TE's attention has natively and Megatron's refuses, and on
+CUDA torch's fused ``scaled_dot_product_attention`` in place of Megatron's unfused arithmetic, whose S x S scores per
+head (32 x 9216^2 in bf16 plus a float32 softmax, per layer) the memory plan does not count: it assumes fused
+attention, as TE's is. The CPU keeps Megatron's arithmetic, so packed and padded rows agree bit for bit there.
 """
 
 from __future__ import annotations
@@ -118,31 +122,82 @@ def segment_groups(cu_seqlens: tuple[int, ...]) -> tuple[tuple[np.ndarray, np.nd
 @functools.lru_cache(maxsize=64)
 def _group_tensors(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[tuple[torch.Tensor, ...], ...]:
     """Per group of ``segment_groups``: the gather index ``[L, n]``, the flat positions of its real entries in an
-    ``[L * n]`` result, where they go in the row, and the causal mask (True = masked), on ``device`` once per row."""
+    ``[L * n]`` result, and where they go in the row, on ``device`` once per row (O(tokens): no masks here)."""
     out = []
     for index, real in segment_groups(cu_seqlens):
         flat = np.flatnonzero(real.ravel())
-        causal = torch.triu(torch.ones(len(index), len(index), dtype=torch.bool, device=device), diagonal=1)
         out.append((torch.from_numpy(index).to(device), torch.from_numpy(flat).to(device),
-                    torch.from_numpy(index.ravel()[flat]).to(device), causal[None, None]))
+                    torch.from_numpy(index.ravel()[flat]).to(device)))
     return tuple(out)
 
 
-@functools.cache
-def packed_core_attention():
-    """Megatron's local ``DotProductAttention`` that also takes packed input (``PackedSeqParams`` in THD format).
+@functools.lru_cache(maxsize=8)
+def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    """Megatron's mask for its unfused path (True = masked), ``[1, 1, L, L]``; the fused path needs none."""
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
-    Padded input goes to Megatron's own forward unchanged. A packed ``[T, heads, dim]`` row is cut at its padded
-    cu_seqlens (what TE's THD attention and Megatron's THD RoPE read), segments of similar length are stacked into a
-    right-padded ``[L, n, heads, dim]`` batch, and Megatron's forward runs on it with the causal mask the padded
-    path uses: every token attends within its own segment only, and each real row's arithmetic is the padded
-    path's, so packed and padded log-probs agree. Cross-segment attention never forms (no T x T matrix)."""
+
+def fused_attention(query: torch.Tensor) -> bool:
+    """The local attention runs torch's fused SDPA on CUDA; the CPU keeps Megatron's arithmetic."""
+    return query.is_cuda
+
+
+def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *,
+                   scale: float) -> torch.Tensor:
+    """Megatron's core-attention interface over ``torch.nn.functional.scaled_dot_product_attention``: ``[sq, b, np,
+    hn]`` query, ``[sk, b, ng, hn]`` key and value (each key/value head serves ``np / ng`` consecutive query heads,
+    as Megatron's ``repeat_interleave``), a boolean ``mask`` marking masked positions True or None for causal, and
+    ``[sq, b, np * hn]`` out. On CUDA the math backend, which would materialise the scores, is excluded: a call no
+    fused kernel takes fails loudly instead of silently using the memory the plan does not count."""
+    sq, b, heads, hn = query.shape
+    groups = key.shape[2]
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
+    if groups != heads:
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = v.repeat_interleave(heads // groups, dim=1)
+    kwargs = {"is_causal": True} if mask is None else {"attn_mask": ~mask.bool()}
+    attend = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, scale=scale, **kwargs)
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        fused = [getattr(SDPBackend, n) for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+                 if hasattr(SDPBackend, n)]
+        with sdpa_kernel(fused):
+            out = attend()
+    else:
+        out = attend()
+    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+
+@functools.cache
+def local_core_attention():
+    """Megatron's local ``DotProductAttention`` that also takes packed input (``PackedSeqParams`` in THD format) and
+    runs fused on CUDA (``sdpa_attention``, where Megatron's options allow: no attention bias, window, softmax
+    offset or attention dropout, none of which a Qwen3-MoE uses).
+
+    A packed ``[T, heads, dim]`` row is cut at its padded cu_seqlens (what TE's THD attention and Megatron's THD RoPE
+    read), segments of similar length are stacked into a right-padded ``[L, n, heads, dim]`` batch, and the padded
+    path's attention runs on it causally: every token attends within its own segment only, and each real row's
+    arithmetic is the padded path's, so packed and padded log-probs agree. Cross-segment attention never forms (no
+    T x T matrix)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    class PackedDotProductAttention(DotProductAttention):
+    class LocalCoreAttention(DotProductAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sdpa_applies = (getattr(self.config, "window_size", None) is None
+                                 and getattr(self, "softmax_offset", None) is None
+                                 and self.attention_dropout.p == 0.0)
+
+        def _fused(self, query, attention_bias) -> bool:
+            return attention_bias is None and self.sdpa_applies and fused_attention(query)
+
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
+            fused = self._fused(query, attention_bias)
             if packed_seq_params is None:
+                if fused:
+                    return sdpa_attention(query, key, value, attention_mask, scale=self.softmax_scale)
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed attention without TransformerEngine takes qkv_format 'thd', got "
@@ -151,9 +206,12 @@ def packed_core_attention():
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             total, heads, dim = query.shape
             out = query.new_empty(total, heads * dim)
-            for at, real, rows, causal in _group_tensors(tuple(int(v) for v in cu.tolist()), query.device):
-                context = super().forward(query[at], key[at], value[at], causal, attn_mask_type, attention_bias)
+            for at, real, rows in _group_tensors(tuple(int(v) for v in cu.tolist()), query.device):
+                q, k, v = query[at], key[at], value[at]
+                context = (sdpa_attention(q, k, v, None, scale=self.softmax_scale) if fused else
+                           super().forward(q, k, v, _causal_mask(len(at), query.device), attn_mask_type,
+                                           attention_bias))
                 out[rows] = context.reshape(-1, heads * dim)[real]
             return out
 
-    return PackedDotProductAttention
+    return LocalCoreAttention

@@ -110,3 +110,34 @@ def test_a_segment_boundary_off_by_one_changes_the_log_probs(packed_policy, monk
     monkeypatch.setattr(type(packed_policy), "_packed_seq_params", boundary_off_by_one)
     shifted = packed_policy.logprobs(samples, replay=True).logprobs
     assert max(np.abs(a - b).max() for a, b in zip(shifted, padded)) > 1e-3
+
+
+def test_the_fused_attention_of_gpus_gives_megatrons_log_probs_packed_and_padded(packed_policy, monkeypatch):
+    """The local attention's CUDA branch (torch's SDPA, which GPUs without TransformerEngine take so that no S x S
+    scores are kept), taken on the CPU by forcing ``te_fallback.fused_attention``: replayed log-probs of packed rows
+    (SDPA causal per segment group, no mask) and of padded micro batches (SDPA with the explicit mask) equal
+    Megatron's unfused arithmetic to 1e-5 in float32. Fails if SDPA's key/value heads repeat per head instead of per
+    query group, its scale differs from Megatron's softmax_scale, the mask's polarity flips, or a packed group's
+    right padding leaks into a real row."""
+    from r3rl.train import te_fallback
+
+    samples = long_tailed(12, 17)
+    calls = []
+    sdpa = te_fallback.sdpa_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[3] is None)
+        return sdpa(*args, **kwargs)
+
+    for packing in (True, False):
+        packed_policy.packing = packing
+        megatron = packed_policy.logprobs(samples, replay=True)
+        with monkeypatch.context() as m:
+            m.setattr(te_fallback, "fused_attention", lambda query: True)
+            m.setattr(te_fallback, "sdpa_attention", counted)
+            fused = packed_policy.logprobs(samples, replay=True)
+        assert fused.replay_mismatch_rows == 0
+        diff = max(np.abs(a - b).max() for a, b in zip(fused.logprobs, megatron.logprobs))
+        assert diff < 1e-5, (packing, diff)
+    # both branches ran: causal without a mask (packed groups) and with Megatron's explicit mask (padded, CPU)
+    assert set(calls) == {True, False}

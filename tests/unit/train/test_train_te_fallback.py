@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from r3rl.plan import GPU_SPEED_SETTINGS
 from r3rl.train import te_fallback
@@ -73,3 +76,36 @@ def test_router_gemm_guard_selects_torch_without_te():
     with pytest.warns(UserWarning, match="apply_rope_fusion"):
         kept = te_fallback.drop_missing_kernels(ALL_ON)
     assert kept["apply_rope_fusion"] is False and kept["bias_activation_fusion"] is True
+
+
+def reference_attention(query, key, value, mask=None):
+    """Softmax attention written out: query head h reads key/value group h // (heads / groups), causal."""
+    sq, b, heads, hn = query.shape
+    groups = key.shape[2]
+    out = torch.empty(sq, b, heads, hn, dtype=query.dtype)
+    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    for batch in range(b):
+        for h in range(heads):
+            g = h // (heads // groups)
+            scores = query[:, batch, h] @ key[:, batch, g].T / math.sqrt(hn)
+            masked = causal if mask is None else mask[min(batch, mask.shape[0] - 1), 0]
+            scores = scores.masked_fill(masked, float("-inf"))
+            out[:, batch, h] = torch.softmax(scores, dim=-1) @ value[:, batch, g]
+    return out.reshape(sq, b, heads * hn)
+
+
+@pytest.mark.parametrize("explicit_mask", [False, True])
+def test_sdpa_attention_is_megatrons_causal_grouped_query_attention(explicit_mask):
+    """The attention GPUs without TransformerEngine run (``te_fallback.sdpa_attention``) against softmax attention
+    written out. Fails if it computes something else than Megatron's DotProductAttention: keys/values
+    repeated per head instead of per query group (``repeat`` for ``repeat_interleave``), no causal mask when
+    Megatron passes none, the mask's polarity flipped (Megatron marks masked positions True), or another layout
+    than ``[sq, b, heads * hn]`` out."""
+    gen = torch.Generator().manual_seed(3)
+    sq, b, heads, groups, hn = 7, 2, 4, 2, 8
+    query = torch.randn(sq, b, heads, hn, generator=gen)
+    key, value = (torch.randn(sq, b, groups, hn, generator=gen) for _ in range(2))
+    mask = torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)[None, None] if explicit_mask else None
+    got = te_fallback.sdpa_attention(query, key, value, mask, scale=1.0 / math.sqrt(hn))
+    assert got.shape == (sq, b, heads * hn)
+    torch.testing.assert_close(got, reference_attention(query, key, value, mask), rtol=1e-5, atol=1e-5)
