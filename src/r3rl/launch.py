@@ -15,8 +15,10 @@ from r3rl.plan import build_plan, describe
 
 
 def dry_run(cfg: R3RLConfig) -> None:
+    from r3rl.preflight import resumed_checkpoint_format
+
     try:
-        plan = build_plan(cfg)
+        plan = build_plan(cfg, resume_format=resumed_checkpoint_format(cfg))
     except PlacementError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

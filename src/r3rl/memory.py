@@ -40,13 +40,19 @@ Host memory, per node (``parallelism.host_memory_gib``), pinned and pageable apa
 - colocated with ``rollout.weight_sync.sleep_level=1``: each engine GPU's weights, which vLLM's sleep mode backs up
   in pinned host memory;
 - runtime: Python, torch and the CUDA runtime's host side, a fixed allowance per trainer rank and engine GPU;
-- checkpoint save and load (r3rl.train.checkpoint, while one runs): with the distributed optimizer's
-  ``fully_reshardable`` format every rank's model-parallel part of the float32 parameters and Adam moments (12 B per
-  local parameter) is gathered into host "world" tensors (on data-parallel rank 0 to save, on every rank to load);
-  and what lives on the GPU is staged in host memory for the writer (the weights; the optimizer state not offloaded,
-  for the other formats). An async save of ``dp_reshardable`` state also counts the offloaded state once more: its
-  forked writer reads it in place, and the optimizer steps meanwhile copy each page they write. Transient, but at its
-  peak while everything above is held.
+- checkpoint save and load (r3rl.train.checkpoint, while one runs), the larger of the two: with the distributed
+  optimizer's ``fully_reshardable`` format every rank's model-parallel part of the float32 parameters and Adam
+  moments (12 B per local parameter) is gathered into host "world" tensors (on data-parallel rank 0 to save, on every
+  rank to load: Megatron 0.19 ``distrib_optimizer.py`` allocates them ``return_on_all_ranks or is_loading``); and
+  what lives on the GPU is staged in host memory for the writer (the weights; the optimizer state not offloaded, for
+  the other formats). An async save of ``dp_reshardable`` state also counts the offloaded state once more: its
+  forked writer reads it in place, and the optimizer steps meanwhile copy each page they write. A load is sized for
+  the format it reads, which is the checkpoint's own (a resume of another layout's checkpoint, ``load_format``),
+  and with the offloaded optimizer it adds the hybrid optimizer's rebuilt copies: every ``load_state_dict``
+  re-creates its sub-optimizers with a new pinned copy of each offloaded parameter (and, precision-aware, a new
+  float32 ``.float()`` of it) while the previous ones stay referenced as ``master_param`` until the next step
+  (``hybrid_optimizer.py`` ``_init_sub_optimizers``, ``_sync_sub_optimizers_state_to_hdo``): 4 B per offloaded
+  parameter, 6 B precision-aware in bf16. Transient, but at its peak while everything above is held.
 
 Disk, per checkpoint: every parameter once in ``params_dtype`` plus the float32 parameter and two Adam moments
 (12 B/param) of the optimizer, whatever the layout; ``run.keep_checkpoints`` of them plus the one being written.
@@ -148,6 +154,10 @@ class MemoryPlan:
     host_budget_bytes: int | None = None  # parallelism.host_memory_gib, None: not checked
     checkpoint_bytes: int = 0  # disk of one checkpoint
     checkpoints_on_disk: int = 0  # run.keep_checkpoints + the one being written
+    # per trainer rank, host memory of a save in the run's format and of a load in the format it will read
+    checkpoint_save_host_bytes: int = 0
+    checkpoint_load_host_bytes: int = 0
+    checkpoint_load_format: str = ""
 
     @property
     def checkpoint_disk_bytes(self) -> int:
@@ -184,9 +194,10 @@ def engine_memory_share_key(cfg: R3RLConfig) -> str:
         else "parallelism.rollout.gpu_memory_utilization"
 
 
-def trainer_host_parts(cfg: R3RLConfig, params_dtype: str) -> list[HostPart]:
+def trainer_host_parts(cfg: R3RLConfig, params_dtype: str, load_format: str | None = None) -> list[HostPart]:
     """One trainer rank's host memory: its offloaded optimizer shard (16 B/param), the process's allowance, and a
-    checkpoint's save or load at its peak."""
+    checkpoint's save or load at its peak (``load_format``: the format of the checkpoint the run resumes, if not its
+    own)."""
     shard, on_host = _optimizer_shard(cfg), _on_host(cfg)
     n = shard * on_host
     params_pinned = not (cfg.trainer.precision_aware_optimizer and params_dtype != "float32")
@@ -194,28 +205,61 @@ def trainer_host_parts(cfg: R3RLConfig, params_dtype: str) -> list[HostPart]:
              HostPart("offloaded fp32 parameters", int(n * HOST_PARAM_BYTES), params_pinned),
              HostPart("offloaded Adam moments", int(n * HOST_MOMENT_BYTES), False),
              HostPart("runtime", HOST_RUNTIME_BYTES if cfg.parallelism.device == "cuda" else 0, False),
-             HostPart("checkpoint save/load (transient)", checkpoint_host_bytes(cfg, params_dtype), False)]
+             HostPart("checkpoint save/load (transient)", checkpoint_host_bytes(cfg, params_dtype, load_format),
+                      False)]
     return [p for p in parts if p.bytes or p.name == "runtime"]
 
 
-def checkpoint_host_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
-    """One trainer rank's extra host memory while a checkpoint is saved or loaded (see the module docstring)."""
-    tr, cuda = cfg.trainer, cfg.parallelism.device == "cuda"
-    local = _local_params(cfg)
-    gathered = local * OPTIMIZER_CHECKPOINT_BYTES if tr.use_distributed_optimizer and \
-        tr.checkpoint.sharding == "fully_reshardable" else 0
-    staged = 0.0
-    if cuda:  # on a CPU the writer reads the tensors where they are
-        staged = local * DTYPE_BYTES[params_dtype]
-        if not tr.use_distributed_optimizer:
-            staged += local * OPTIMIZER_CHECKPOINT_BYTES
-        elif not gathered:
-            staged += _optimizer_shard(cfg) * OPTIMIZER_CHECKPOINT_BYTES * (1 - _on_host(cfg))
+def checkpoint_host_bytes(cfg: R3RLConfig, params_dtype: str, load_format: str | None = None) -> int:
+    """One trainer rank's extra host memory while a checkpoint is saved or loaded: the larger of the two."""
+    return max(checkpoint_save_host_bytes(cfg, params_dtype),
+               checkpoint_load_host_bytes(cfg, params_dtype, load_format))
+
+
+def checkpoint_save_host_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
+    """One trainer rank's extra host memory while it saves in ``trainer.checkpoint.sharding`` (module docstring)."""
+    tr = cfg.trainer
+    gathered = _gathers(cfg, tr.checkpoint.sharding)
+    staged = _staged(cfg, params_dtype, gathered)
     if tr.checkpoint.async_save and tr.use_distributed_optimizer and not gathered:
         # the forked writer reads the offloaded state in place: every page the next optimizer steps write while it
         # runs is copied (copy-on-write), up to all of it
         staged += _optimizer_shard(cfg) * OPTIMIZER_CHECKPOINT_BYTES * _on_host(cfg)
     return int(gathered + staged)
+
+
+def checkpoint_load_host_bytes(cfg: R3RLConfig, params_dtype: str, load_format: str | None = None) -> int:
+    """One trainer rank's extra host memory while it loads a checkpoint saved in ``load_format`` (default: the
+    run's own ``trainer.checkpoint.sharding``), the hybrid optimizer's rebuilt copies included (module docstring)."""
+    gathered = _gathers(cfg, load_format or cfg.trainer.checkpoint.sharding)
+    rebuilt = 0.0
+    if _on_host(cfg):
+        per_param = HOST_PARAM_BYTES
+        if cfg.trainer.precision_aware_optimizer and params_dtype != "float32":
+            per_param += DTYPE_BYTES[params_dtype]  # the pinned low-precision copy its .float() is made from
+        rebuilt = _optimizer_shard(cfg) * _on_host(cfg) * per_param
+    return int(gathered + _staged(cfg, params_dtype, gathered) + rebuilt)
+
+
+def _gathers(cfg: R3RLConfig, optimizer_format: str) -> float:
+    """The fully reshardable gather's world tensors of one rank (0 for the other formats)."""
+    if cfg.trainer.use_distributed_optimizer and optimizer_format == "fully_reshardable":
+        return _local_params(cfg) * OPTIMIZER_CHECKPOINT_BYTES
+    return 0.0
+
+
+def _staged(cfg: R3RLConfig, params_dtype: str, gathered: float) -> float:
+    """What a GPU rank stages in host memory for the writer (on a CPU the writer reads the tensors in place)."""
+    tr = cfg.trainer
+    if cfg.parallelism.device != "cuda":
+        return 0.0
+    local = _local_params(cfg)
+    staged = local * DTYPE_BYTES[params_dtype]
+    if not tr.use_distributed_optimizer:
+        staged += local * OPTIMIZER_CHECKPOINT_BYTES
+    elif not gathered:
+        staged += _optimizer_shard(cfg) * OPTIMIZER_CHECKPOINT_BYTES * (1 - _on_host(cfg))
+    return staged
 
 
 def checkpoint_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
@@ -326,13 +370,14 @@ def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -
     return [Part("engine weights", weights), Part("engine KV cache + runtime", max(share - weights, 0))]
 
 
-def host_memory(cfg: R3RLConfig, trainer_dtype: str, engine_weights: int) -> tuple[HostMemory, ...]:
+def host_memory(cfg: R3RLConfig, trainer_dtype: str, engine_weights: int, load_format: str | None = None
+                ) -> tuple[HostMemory, ...]:
     """Per node, the host memory of the trainer ranks and engine GPUs placed there (placement's node-major order:
     the trainer takes the first GPUs, disaggregated engines the next ones, colocated engines the trainer's)."""
     par = cfg.parallelism
     n_train, n_roll = par.trainer.num_gpus, par.rollout.num_gpus
     rollout_start = 0 if par.colocated else n_train
-    rank = trainer_host_parts(cfg, trainer_dtype)
+    rank = trainer_host_parts(cfg, trainer_dtype, load_format)
     backup = par.colocated and par.device == "cuda" and cfg.rollout.weight_sync.sleep_level == 1
     out = []
     for node in range(par.nnodes):
@@ -351,13 +396,15 @@ def host_memory(cfg: R3RLConfig, trainer_dtype: str, engine_weights: int) -> tup
     return tuple(out)
 
 
-def estimate(cfg: R3RLConfig, trainer_dtype: str, engine_dtype: str) -> MemoryPlan:
+def estimate(cfg: R3RLConfig, trainer_dtype: str, engine_dtype: str, load_format: str | None = None) -> MemoryPlan:
+    """``load_format``: the optimizer format of the checkpoint the run resumes (``r3rl.preflight`` reads it), when
+    it is not the run's own ``trainer.checkpoint.sharding``."""
     par = cfg.parallelism
     budget = int(par.gpu_memory_gib * GIB) if par.gpu_memory_gib is not None else None
     host_budget = int(par.host_memory_gib * GIB) if par.host_memory_gib is not None else None
     trainer, offloaded = trainer_parts(cfg, trainer_dtype)
     engine = engine_parts(cfg, engine_dtype, budget)
-    hosts = host_memory(cfg, trainer_dtype, next(p.bytes for p in engine if p.name == "engine weights"))
+    hosts = host_memory(cfg, trainer_dtype, next(p.bytes for p in engine if p.name == "engine weights"), load_format)
     if par.colocated:
         gpus = (GpuMemory("colocated", par.trainer.num_gpus,
                           tuple(("trainer", p) for p in trainer) + tuple(("rollout", p) for p in engine)),)
@@ -366,7 +413,10 @@ def estimate(cfg: R3RLConfig, trainer_dtype: str, engine_dtype: str) -> MemoryPl
                 GpuMemory("rollout", par.rollout.num_gpus, tuple(("rollout", p) for p in engine)))
     return MemoryPlan(gpus=gpus, budget_bytes=budget, host_offload_bytes=offloaded, hosts=hosts,
                       host_budget_bytes=host_budget, checkpoint_bytes=checkpoint_bytes(cfg, trainer_dtype),
-                      checkpoints_on_disk=cfg.run.keep_checkpoints + 1)
+                      checkpoints_on_disk=cfg.run.keep_checkpoints + 1,
+                      checkpoint_save_host_bytes=checkpoint_save_host_bytes(cfg, trainer_dtype),
+                      checkpoint_load_host_bytes=checkpoint_load_host_bytes(cfg, trainer_dtype, load_format),
+                      checkpoint_load_format=load_format or cfg.trainer.checkpoint.sharding)
 
 
 def engine_weights_fit(cfg: R3RLConfig, plan: MemoryPlan) -> bool:
@@ -448,6 +498,15 @@ def host_table(plan: MemoryPlan) -> dict:
         out[f"node {h.node}"] = {**rows, "pinned": gib(h.pinned), "pageable": gib(h.pageable), "total": gib(h.total)}
     out["budget per node"] = gib(plan.host_budget_bytes) if plan.host_budget_bytes is not None else "not checked"
     return out
+
+
+def checkpoint_host_table(cfg: R3RLConfig, plan: MemoryPlan) -> dict:
+    """A checkpoint's save and load per trainer rank in GiB, each in the format it handles (what the dry run
+    prints; the host table counts the larger)."""
+    resumed = plan.checkpoint_load_format != cfg.trainer.checkpoint.sharding
+    return {f"save ({cfg.trainer.checkpoint.sharding})": gib(plan.checkpoint_save_host_bytes),
+            f"load ({plan.checkpoint_load_format}{', the checkpoint this launch resumes' if resumed else ''})":
+                gib(plan.checkpoint_load_host_bytes)}
 
 
 def disk_table(plan: MemoryPlan) -> dict:

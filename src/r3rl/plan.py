@@ -298,7 +298,9 @@ def wandb_naming(cfg: R3RLConfig) -> WandbNaming:
     )
 
 
-def build_plan(cfg: R3RLConfig) -> LaunchPlan:
+def build_plan(cfg: R3RLConfig, resume_format: str | None = None) -> LaunchPlan:
+    """``resume_format``: the optimizer format of the checkpoint the launch resumes (``r3rl.preflight`` reads it
+    from disk; the plan stays a function of its arguments), whose load the memory plan sizes."""
     placement = place(cfg.parallelism)
     device = cfg.parallelism.device
     engine_dtype = resolve_dtype(cfg.rollout.engine.dtype, device)
@@ -324,7 +326,7 @@ def build_plan(cfg: R3RLConfig) -> LaunchPlan:
         data_parallel=t.num_gpus // (t.tensor_parallel * t.pipeline_parallel * t.context_parallel),
         megatron=megatron_config(cfg, trainer_dtype),
         optimizer=optimizer_config(cfg, trainer_dtype),
-        memory=memory.estimate(cfg, trainer_dtype, engine_dtype),
+        memory=memory.estimate(cfg, trainer_dtype, engine_dtype, resume_format),
         wandb=wandb_naming(cfg),
         ray_num_gpus=cfg.parallelism.nnodes * cfg.parallelism.gpus_per_node,
     )
@@ -405,6 +407,7 @@ def describe(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
         "batch_settings": batch_settings(cfg, plan),
         "memory_gib_per_gpu": memory.table(plan.memory),
         "host_memory_gib_per_node": memory.host_table(plan.memory),
+        "checkpoint_host_gib_per_rank": memory.checkpoint_host_table(cfg, plan.memory),
         "checkpoint_disk_gib": memory.disk_table(plan.memory),
         "wandb": {"project": plan.wandb.project, "entity": plan.wandb.entity, "mode": plan.wandb.mode,
                   "name": plan.wandb.name, "group": plan.wandb.group, "tags": list(plan.wandb.tags)},

@@ -161,22 +161,18 @@ def resumed_checkpoint_format(cfg: R3RLConfig) -> str | None:
 
 def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     """GPUs whose estimated bytes (``r3rl.memory``) exceed ``parallelism.gpu_memory_gib``, with the keys to change.
-    A resumed checkpoint is planned in the format it was saved in (a fully reshardable one resumed under a layout
-    that saves dp_reshardable still gathers its optimizer state to load)."""
-    import dataclasses
-
+    A resumed checkpoint's load is planned in the format it was saved in (a fully reshardable one resumed under a
+    layout that saves dp_reshardable still gathers its optimizer state to load)."""
     from r3rl import memory
     from r3rl.config.modes import resolve_dtype
 
     saved = resumed_checkpoint_format(cfg)
-    gathers_to_resume = saved == "fully_reshardable" and cfg.trainer.checkpoint.sharding != saved
-    if gathers_to_resume:
-        tr = cfg.trainer
-        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
-            tr, checkpoint=dataclasses.replace(tr.checkpoint, sharding=saved)))
     device = cfg.parallelism.device
     plan = memory.estimate(cfg, resolve_dtype(cfg.trainer.params_dtype, device),
-                           resolve_dtype(cfg.rollout.engine.dtype, device))
+                           resolve_dtype(cfg.rollout.engine.dtype, device), saved)
+    # the other format's load is what does not fit (not the run's own saves)
+    resume_is_larger = saved is not None and saved != cfg.trainer.checkpoint.sharding and \
+        plan.checkpoint_load_host_bytes > plan.checkpoint_save_host_bytes
     problems = []
     if not memory.engine_weights_fit(cfg, plan):
         problems.append((memory.engine_memory_share_key(cfg),
@@ -194,9 +190,11 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
                          f"out of host memory: node {host.node} needs ~{host.total / memory.GIB:.1f} GiB "
                          f"({host.pinned / memory.GIB:.1f} pinned, {host.pageable / memory.GIB:.1f} pageable), over "
                          f"the {cfg.parallelism.host_memory_gib} GiB budget per node ({parts} GiB); "
-                         + ("the checkpoint this launch resumes (run.output_dir) was saved fully_reshardable, and "
-                            "loading it gathers its optimizer state here: resume it under a layout with room for "
-                            "that (the one that saved it), or run.resume=false" if gathers_to_resume else
+                         + (f"the checkpoint this launch resumes (run.output_dir) was saved {saved}, and loading it "
+                            f"takes ~{plan.checkpoint_load_host_bytes / memory.GIB:.1f} GiB per trainer rank here "
+                            "(its own saves would take "
+                            f"~{plan.checkpoint_save_host_bytes / memory.GIB:.1f}): resume it under a layout with room "
+                            "for that (the one that saved it), or run.resume=false" if resume_is_larger else
                             "change " + "; ".join(memory.host_fixes(cfg)))))
     return problems
 

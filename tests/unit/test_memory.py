@@ -211,39 +211,46 @@ def local_params(cfg) -> float:
 
 
 def test_checkpoint_host_memory_and_disk_follow_the_optimizer_format():
-    """Issue 34 item 1: fails if the plan forgets the fully reshardable gather (12 B per local parameter: float32
-    parameter and both Adam moments of the rank's model-parallel part, on every rank at load) or the bf16 weights the
-    writer stages from the GPU (2 B), if dp_reshardable is charged for a gather it does not do (or, saved in the
-    background, not for the offloaded state its forked writer shares copy-on-write), if the disk term
-    is not every parameter at 2 + 12 B times run.keep_checkpoints + 1, or if a node that cannot hold the gather is
-    let through without naming trainer.checkpoint.sharding."""
-    cfg = compose(["experiment=qwen3_30b_r3_4p4"])
+    """Issue 34 item 1, issue 45 item 2: fails if the plan forgets the fully reshardable gather (12 B per local
+    parameter: float32 parameter and both Adam moments of the rank's model-parallel part, on every rank at load) or
+    the bf16 weights the writer stages from the GPU (2 B), if dp_reshardable is charged for a gather it does not do
+    (or, saved in the background, not for the offloaded state its forked writer shares copy-on-write), if a load
+    forgets the hybrid optimizer's rebuilt copies of its offloaded parameters (a pinned bf16 copy and its float32
+    ``.float()``: 6 B each precision-aware, 4 B otherwise), if the disk term is not every parameter at 2 + 12 B
+    times run.keep_checkpoints + 1, or if a node that cannot hold the gather is let through without naming
+    trainer.checkpoint.sharding."""
+    full = ["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint.sharding=fully_reshardable"]
+    cfg = compose([*full, "parallelism.host_memory_gib=null"])
     plan = build_plan(cfg).memory
     local = local_params(cfg)
-    gathered = host(plan)["trainer/checkpoint save/load (transient)"][0]
-    assert gathered == pytest.approx(4 * local * (12 + 2) / GIB, rel=1e-6)
-    flat = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint.sharding=dp_reshardable"])).memory
-    # the optimizer state is offloaded already: only the GPU's weights are staged
-    assert host(flat)["trainer/checkpoint save/load (transient)"][0] == pytest.approx(4 * local * 2 / GIB, rel=1e-6)
-    # in the background, the forked writer's view of the offloaded state is copied as the next steps write it
     shard = plan.host_offload_bytes / 16  # offloaded parameters per rank (16 B each)
-    behind = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint.sharding=dp_reshardable",
-                                 "trainer.checkpoint.async_save=true"])).memory
+    assert plan.checkpoint_save_host_bytes == pytest.approx(local * (12 + 2), rel=1e-6)
+    assert plan.checkpoint_load_host_bytes == pytest.approx(local * (12 + 2) + shard * 6, rel=1e-6)
+    assert host(plan)["trainer/checkpoint save/load (transient)"][0] == \
+        pytest.approx(4 * plan.checkpoint_load_host_bytes / GIB, rel=1e-6)
+    # the shipped 4+4 saves dp_reshardable: the optimizer state is offloaded already, only the GPU's weights are
+    # staged; its load still rebuilds the hybrid optimizer's copies
+    flat = build_plan(compose(["experiment=qwen3_30b_r3_4p4"])).memory
+    assert flat.checkpoint_save_host_bytes == pytest.approx(local * 2, rel=1e-6)
+    assert flat.checkpoint_load_host_bytes == pytest.approx(local * 2 + shard * 6, rel=1e-6)
+    plain = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.precision_aware_optimizer=false",
+                                "parallelism.gpu_memory_gib=null"])).memory
+    assert plain.checkpoint_load_host_bytes == pytest.approx(local * 2 + shard * 4, rel=1e-6)
+    # in the background, the forked writer's view of the offloaded state is copied as the next steps write it
+    behind = build_plan(compose(["experiment=qwen3_30b_r3_4p4", "trainer.checkpoint.async_save=true"])).memory
+    assert behind.checkpoint_save_host_bytes == pytest.approx(local * 2 + shard * 12, rel=1e-6)
     assert host(behind)["trainer/checkpoint save/load (transient)"][0] == \
-        pytest.approx(4 * (local * 2 + shard * 12) / GIB, rel=1e-6)
+        pytest.approx(4 * max(local * 2 + shard * 12, local * 2 + shard * 6) / GIB, rel=1e-6)
     counts = param_counts(cfg.model)
     total = cfg.model.num_layers * (counts.dense_per_layer + counts.experts_per_layer) + counts.embeddings
     assert plan.checkpoint_bytes == int(total * 14) and plan.checkpoints_on_disk == cfg.run.keep_checkpoints + 1 == 3
     assert build_plan(compose(["experiment=qwen3_30b_r3_4p4", "run.keep_checkpoints=5"])).memory \
         .checkpoint_disk_bytes == 6 * plan.checkpoint_bytes
-    # a node with room for training but not for the gather: refused naming the format; the other format fits
-    budget = int((plan.hosts[0].total / GIB) - 100)
+    # the shipped 1 TiB node cannot hold a fully reshardable load: refused naming the format; its own format fits
     with pytest.raises(ConfigError) as info:
-        compose(["experiment=qwen3_30b_r3_4p4", f"parallelism.host_memory_gib={budget}"])
+        compose(full)
     (reason,) = [r for k, r in info.value.problems if k == "parallelism.host_memory_gib"]
     assert "checkpoint save/load (transient)" in reason and "trainer.checkpoint.sharding=dp_reshardable" in reason
-    compose(["experiment=qwen3_30b_r3_4p4", f"parallelism.host_memory_gib={budget}",
-             "trainer.checkpoint.sharding=dp_reshardable"])
 
 
 def test_launch_refuses_a_disk_that_cannot_hold_the_checkpoints_kept(tmp_path):
@@ -279,3 +286,50 @@ def test_a_resumed_fully_reshardable_checkpoint_is_planned_as_its_load_gathers(t
     (reason,) = [r for k, r in info.value.problems if k == "parallelism.host_memory_gib"]
     assert "saved fully_reshardable" in reason and "run.resume=false" in reason
     compose([*colocated, "run.resume=false"])  # a fresh start plans its own format, which fits
+
+
+def test_the_dry_run_of_a_cross_format_resume_shows_the_load_of_the_format_it_reads(tmp_path, capsys):
+    """Issue 45 item 2: the shipped 4+4 saves dp_reshardable; resuming a fully_reshardable checkpoint of another
+    layout loads that format. The dry run's checkpoint block shows the save in the run's format and the load in the
+    checkpoint's (gather + staging + the hybrid optimizer's rebuilt copies), and the node's host table counts the
+    load; on the 1 TiB node that load is refused with the per-rank figure, on a 2 TiB one it plans. Fails if the
+    dry run sizes the load by ``trainer.checkpoint.sharding`` (the run's own saves) instead of the checkpoint it
+    resumes."""
+    import yaml
+
+    from r3rl import checkpoint as ckpt
+    from r3rl.config import compose as compose_config
+    from r3rl.launch import dry_run
+
+    run_dir = tmp_path / "run"
+    folder = ckpt.begin(run_dir, 20)
+    (folder / ckpt.TRAINER_DIR).mkdir()
+    (folder / ckpt.TRAINER_DIR / ckpt.COMPLETE).write_text(
+        '{"format": "%s", "optimizer_format": "fully_reshardable"}' % ckpt.TRAINER_FORMAT)
+    ckpt.publish(run_dir, folder, ckpt.CheckpointMeta(step=20))
+    overrides = ["experiment=qwen3_30b_r3_4p4", f"run.output_dir={run_dir}", "run.dry_run=true"]
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    (reason,) = [r for k, r in info.value.problems if k == "parallelism.host_memory_gib"]
+    assert "saved fully_reshardable" in reason and "GiB per trainer rank" in reason
+
+    cfg = compose([*overrides, "parallelism.host_memory_gib=2048"])
+    dry_run(cfg)
+    out = yaml.safe_load(capsys.readouterr().out.split("\n", 1)[1])
+    block = out["checkpoint_host_gib_per_rank"]
+    local = local_params(cfg)
+    fresh = build_plan(compose_config(["experiment=qwen3_30b_r3_4p4"])).memory
+    shard = fresh.host_offload_bytes / 16
+    assert block["save (dp_reshardable)"] == pytest.approx(local * 2 / GIB, abs=0.01)
+    load = block["load (fully_reshardable, the checkpoint this launch resumes)"]
+    assert load == pytest.approx((local * 14 + shard * 6) / GIB, abs=0.01)
+    node = out["host_memory_gib_per_node"]["node 0"]["trainer"]
+    assert node["checkpoint save/load (transient) (pageable)"] == pytest.approx(4 * load, abs=0.05)
+    # without a checkpoint to resume the same layout plans its own format's load
+    assert "load (dp_reshardable)" in memory_block(compose_config(["experiment=qwen3_30b_r3_4p4"]))
+
+
+def memory_block(cfg) -> dict:
+    from r3rl.memory import checkpoint_host_table
+
+    return checkpoint_host_table(cfg, build_plan(cfg).memory)
