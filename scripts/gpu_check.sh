@@ -6,17 +6,24 @@
 #      and onload around a step leave the CPU-offloaded optimizer's state in host memory). They train packed micro
 #      batches (trainer.packing, the default) through the local spec's packed attention on CUDA. No context-parallel
 #      replay check runs here: CP 2 needs two GPUs (NCCL refuses two ranks on one device) and TE's attention; the
-#      packed CP split's test against TE's partition function is listed "not checked" without TE;
+#      packed CP split's test against TE's partition function is listed "not checked" without TE. Issue 45's device
+#      checks are among them (tests/integration/train/test_megatron_gpu_optimizer.py), each printing a
+#      "gpu_check: ..." line the summary repeats: an optimizer resume into a fresh trainer in both checkpoint formats
+#      (the next step's loss and grad norm equal; the load's GPU peak and host RSS next to the plan's load), an async
+#      save under CUDA (a fresh trainer's log-probs equal the saving one's at the save), packed vs padded rows on
+#      CUDA with replay in float32 and bf16 (max |dlogp|, replay mismatch rows 0), and the route probe's router hook
+#      under torch.cuda.set_sync_debug_mode("error") (no host sync per router call);
 #   2. the weight-sync wires' GPU tests: issue 23 item 2's stream race (tests/integration/rollout/
 #      test_gpu_wire_streams.py) and the IPC wire (test_gpu_wires.py). Without vLLM only the race test's vLLM-free
 #      half runs (`after_stream` orders a pack on another stream after a slow writer): NcclWire's race test and the
 #      IPC wire test drive vLLM's own producer and consumer, and vLLM is too large to travel, so the summary names
 #      them "not checked (no vLLM)"; on a machine where vLLM imports they run. The NCCL wire test needs two GPUs;
-#   3. the memory probe (bench/gpu_memory_probe.py): Qwen3-30B-A3B-width slices (2 and 4 layers; real width, 128
-#      experts, top-8, real vocab) through one training step at the planned micro-batch tokens, each term's measured
-#      bytes next to r3rl.memory's estimate; passes when `memory plan/measured` (2 layers) and its per-layer slope
-#      (2 -> 4) are within 0.9-1.2. Without TE it runs the
-#      attention through torch's fused SDPA, as the plan assumes fused attention (see the probe's docstring).
+#   3. the memory probe (bench/gpu_memory_probe.py --packed): Qwen3-30B-A3B-width slices (2 and 4 layers; real
+#      width, 128 experts, top-8, real vocab) through one training step at the planned micro-batch tokens, fed as
+#      one packed 9216-token segment (trainer.packing's THD path), each term's measured bytes next to r3rl.memory's
+#      estimate; passes when `memory plan/measured` (2 layers) and its per-layer slope (2 -> 4) are within 0.9-1.2.
+#      Without TE the attention is r3rl's local spec's, which runs torch's fused SDPA on CUDA (the plan assumes
+#      fused attention).
 #
 #   scripts/gpu_check.sh --download   # here, with network: puts the wheels in scripts/gpu_check_wheels/ (~3.2 MB,
 #                                     # git-ignored; carry that folder with the checkout to the GPU machine)
@@ -99,8 +106,8 @@ EOF
 
 set +e
 timeout $(( BUDGET - PROBE_RESERVE - ($(date +%s) - start) )) "$PY" -m pytest -m gpu "${GPU_TESTS[@]}" \
-  -p no:cacheprovider -q -rA --timeout 300 --junitxml "$site/pytest.xml" "$@"
-rc=$?
+  -p no:cacheprovider -q -rA --timeout 300 --junitxml "$site/pytest.xml" "$@" 2>&1 | tee "$site/pytest.log"
+rc=${PIPESTATUS[0]}
 set -e
 
 if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
@@ -129,7 +136,7 @@ ratio="not measured"
 if [ $rc -ne 124 ]; then
   left=$(( BUDGET - ($(date +%s) - start) ))
   set +e
-  timeout $(( left > 60 ? left : 60 )) "$PY" bench/gpu_memory_probe.py --layers 2 4 2>&1 | tee "$site/probe.log"
+  timeout $(( left > 60 ? left : 60 )) "$PY" bench/gpu_memory_probe.py --layers 2 4 --packed 2>&1 | tee "$site/probe.log"
   probe_rc=${PIPESTATUS[0]}
   set -e
   ratio=$(sed -n 's/^memory plan\/measured: //p' "$site/probe.log" | tail -n 1)
@@ -138,6 +145,8 @@ fi
 
 secs=$(( $(date +%s) - start ))
 memory="memory plan/measured: $ratio"
+# the device checks' own figures (resume memory, packed vs padded, syncs per router call), once each
+grep -h '^gpu_check: ' "$site/pytest.log" 2>/dev/null | sort -u || true
 case $rc in
   0) ;;
   5) echo "gpu_check: FAILED: no GPU-marked tests were selected ($memory)"; exit 5 ;;

@@ -1,7 +1,9 @@
 """The branches only a GPU run takes, on one GPU (world size 1, NCCL): Megatron's distributed optimizer with CPU
 offload in a GRPO step and a checkpoint round trip, replay bitwise equal on the trainer's own routes, an HF export,
-token-budget micro batches, and the TransformerEngine fallbacks when TE is missing. Skipped without CUDA; runs in
-``pytest -m gpu`` on a machine with one GPU and no vLLM, TE or network."""
+token-budget micro batches, the TransformerEngine fallbacks when TE is missing, and issue 45's device checks (a
+fresh trainer's resume in both formats, an async save under CUDA, packed vs padded rows with replay, no host sync
+per router call). Skipped without CUDA; runs in ``pytest -m gpu`` on a machine with one GPU and no vLLM, TE or
+network (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -137,3 +139,149 @@ def test_colocated_offload_onload_leaves_the_cpu_optimizer_in_host_memory(batch,
         assert np.isfinite(second["loss"]) and second["skipped_steps"] == 0
     finally:
         trainer.shutdown()
+
+
+class PeakRss:
+    """This process's resident set, sampled every 5 ms while the block runs: the peak above where it started."""
+
+    def __enter__(self):
+        import threading
+
+        import psutil
+
+        self._proc, self._stop = psutil.Process(), threading.Event()
+        self.start = self.peak = self._proc.memory_info().rss
+
+        def sample():
+            while not self._stop.wait(0.005):
+                self.peak = max(self.peak, self._proc.memory_info().rss)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def grew(self) -> int:
+        return self.peak - self.start
+
+
+@pytest.mark.parametrize("sharding", ["fully_reshardable", "dp_reshardable"])
+def test_a_fresh_trainer_resumes_the_offloaded_optimizer_in_both_formats(batch, tmp_path, tiny_model_dir, sharding):
+    """Issue 45, device check 1: a checkpoint loaded into a new trainer, whose hybrid CPU-offloaded optimizer has
+    never stepped (Megatron then runs its dummy step and rebuilds the sub-optimizers at load), continues exactly:
+    the next step's loss and grad norm equal the saving trainer's. Prints the load's GPU peak and host RSS growth
+    next to ``r3rl.memory.checkpoint_load_host_bytes`` for the format. Fails if the load leaves the dummy step's
+    random moments or a stale master copy in the optimizer (the step after it would differ)."""
+    from r3rl import memory
+
+    samples, adv = batch
+    saver = make(f"trainer.checkpoint.sharding={sharding}")
+    try:
+        saver.train_step(samples, adv, replay=True)
+        folder = saver.save_checkpoint(tmp_path / "ckpt")
+        straight = saver.train_step(samples, adv, replay=True)
+    finally:
+        saver.shutdown()
+    fresh = make(f"trainer.checkpoint.sharding={sharding}")
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with PeakRss() as rss:
+            fresh.load_checkpoint(folder)
+        gpu_peak = torch.cuda.max_memory_allocated() - before
+        again = fresh.train_step(samples, adv, replay=True)
+        planned = memory.checkpoint_load_host_bytes(fresh.cfg, "bfloat16", sharding)
+        print(f"gpu_check: resume {sharding} into a fresh trainer: GPU peak +{gpu_peak / 2**20:.1f} MiB, host RSS "
+              f"+{rss.grew / 2**20:.1f} MiB (plan's load {planned / 2**20:.1f} MiB; the tiny model's bytes are small "
+              "next to the CUDA and checkpoint libraries' own); loss "
+              f"{again['loss']:.6f} vs {straight['loss']:.6f}, grad norm {again['grad_norm']:.6f} vs "
+              f"{straight['grad_norm']:.6f}")
+        assert again["loss"] == straight["loss"] and again["grad_norm"] == straight["grad_norm"]
+    finally:
+        fresh.shutdown()
+
+
+def test_an_async_save_under_cuda_holds_its_step_and_resumes(batch, tmp_path, tiny_model_dir):
+    """Issue 45, device check 3: ``trainer.checkpoint.async_save`` on CUDA (the writer's staging copies from the GPU,
+    Megatron's forked writer): save, train a step meanwhile, finish, load into a fresh trainer: its log-probs equal
+    the saving trainer's at the save, bit for bit. Fails if the staging reads the GPU tensors after the next step
+    changed them (a copy not awaited on its stream), or the folder is named before the writer finished."""
+    samples, adv = batch
+    trainer = make("trainer.checkpoint.async_save=true")
+    try:
+        trainer.train_step(samples, adv, replay=True)
+        at_save = trainer.logprobs(samples, replay=True).logprobs
+        folder = trainer.save_checkpoint(tmp_path / "ckpt")
+        trainer.train_step(samples, adv, replay=True)  # while the writer runs
+        moved = max(np.abs(a - b).max() for a, b in zip(trainer.logprobs(samples, replay=True).logprobs, at_save))
+        trainer.finish_saves()
+        assert moved > 0 and trainer.poll_saves() and (folder / "COMPLETE").is_file()
+    finally:
+        trainer.shutdown()
+    fresh = make()
+    try:
+        fresh.load_checkpoint(folder)
+        resumed = fresh.logprobs(samples, replay=True).logprobs
+        assert all(np.array_equal(a, b) for a, b in zip(resumed, at_save))
+    finally:
+        fresh.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_rows_give_the_padded_log_probs_on_cuda_with_replay(tiny_model_dir, dtype):
+    """Issue 45, device check 4: the same samples (lengths vary) packed into THD rows and right-padded, through
+    the local spec's fused attention on CUDA with replay: 0 replay mismatch rows either way, and the log-probs agree
+    (float32: to 1e-4; bfloat16: printed, bounded by 0.1, where a misplaced route or segment boundary moves them by
+    whole nats). Fails if the CUDA path packs routes or segments other than the CPU-tested layout does."""
+    samples = build_samples(16, 57)
+    with_routes(samples, random_routes(samples, 4, 2, 8, seed=57))
+    trainer = make(f"trainer.params_dtype={dtype}", "trainer.max_tokens_per_micro_batch=96")
+    try:
+        out = {}
+        for packing in (True, False):
+            trainer.packing = packing
+            out[packing] = trainer.logprobs(samples, replay=True)
+            assert out[packing].replay_mismatch_rows == 0 and out[packing].replayed_routes_match is True
+        diff = max(np.abs(a - b).max() for a, b in zip(out[True].logprobs, out[False].logprobs))
+        print(f"gpu_check: packed vs padded on CUDA, {dtype}, replayed: max |dlogp| {diff:.3g}, replay mismatch rows "
+              f"{out[True].replay_mismatch_rows} / {out[False].replay_mismatch_rows}")
+        assert diff < (1e-4 if dtype == "float32" else 0.1)
+    finally:
+        trainer.shutdown()
+
+
+def test_the_route_probe_never_syncs_with_the_host_per_router_call(batch, tiny_model_dir, monkeypatch):
+    """Issue 45, device check 5: every router call of a replayed and an unreplayed pass runs the probe's hook under
+    ``torch.cuda.set_sync_debug_mode("error")`` (after the micro batch's routes were copied to the device, which
+    happens once per micro batch): any host sync raises. Fails if the hook indexes with a boolean mask, runs
+    CUDA's bincount, or reads a count back."""
+    from r3rl.train.replay import RouteProbe
+
+    hook, calls = RouteProbe._hook, []
+
+    def strict(self, router, args, output):
+        if self._expected is not None:
+            self._expected.on(args[0].device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            hook(self, router, args, output)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        calls.append(router.layer_number)
+
+    monkeypatch.setattr(RouteProbe, "_hook", strict)
+    samples, _ = batch
+    trainer = make()
+    try:
+        replayed = trainer.logprobs(samples, replay=True)
+        live = trainer.logprobs(samples, replay=False)
+    finally:
+        trainer.shutdown()
+    print(f"gpu_check: route probe: {len(calls)} router calls under set_sync_debug_mode('error'), 0 host syncs")
+    assert calls and replayed.replay_mismatch_rows == 0 and np.isfinite(live.flip_per_layer).all()
