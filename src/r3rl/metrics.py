@@ -18,9 +18,10 @@ Names follow prior art so runs compare with other stacks:
   KL(rollout || trainer) on the rollout's tokens, token masked mean.
 - ``r3/routing_flip_rate``: share of (token, layer) rows whose top-k expert *set* differs between the trainer's own
   router and the rollout's, overall and per layer (``r3/routing_flip_rate/layer_{i:02d}``), over the rows whose
-  output scores a response token (positions P-1 .. T-2, the tokens ``train/logprob_abs_diff`` averages), each
-  real sample once (no micro-batch padding slot); ``r3/routing_flip_rate_prompt``: the same over the prompt rows
-  (0 .. P-2). The trainer counts the flips per layer in its router hooks (``r3rl.train.replay.RouteProbe``), this
+  output scores a response token in the loss (positions P-1 .. T-2 whose token has loss mask 1: the tokens
+  ``train/logprob_abs_diff`` averages; an episode's observation tokens and a masked sample's tokens do not count),
+  each real sample once (no micro-batch padding slot); ``r3/routing_flip_rate_prompt``: the same over the prompt
+  rows (0 .. P-2). The trainer counts the flips per layer in its router hooks (``r3rl.train.replay.RouteProbe``), this
   module names and averages them.
 - ``r3/router_margin_mean``, ``r3/router_margin_small_share``, ``r3/expert_load_max_vio`` (r3rl's; MaxVio's
   definition from the auxiliary-loss-free balancing paper): what explains a flip rate, over the same rows and

@@ -181,11 +181,13 @@ class _Expected:
     """One micro batch's rollout routes per router row, read from the samples through ``row_origins``, built once per
     micro batch and copied to the device once (every router call of the forward reads its layer from there).
 
-    ``response`` / ``prompt`` (bool per row of ``rows``): the row scores a response token (position >= P-1) or is a
-    prompt row, of a real sample; both False on a padding slot (``valid[b]`` False: a repeat of a real sample)."""
+    ``response`` / ``prompt`` (bool per row of ``rows``): the row scores a response token in the loss (position >=
+    P-1, the token's loss mask set: the tokens ``train/logprob_abs_diff`` averages, so no observation token of an
+    episode and no masked sample) or is a prompt row, of a real sample; both False on a padding slot (``valid[b]``
+    False: a repeat of a real sample)."""
 
     def __init__(self, mb: MicroBatch, layout: TokenLayout, routes: Sequence[np.ndarray],
-                 valid: Sequence[bool] | None = None):
+                 valid: Sequence[bool] | None = None, loss_masks: Sequence[np.ndarray] | None = None):
         slot_routes = [routes[i] for i in mb.indices]
         slot, pos = row_origins(mb, layout, [len(r) for r in slot_routes])
         self.rows = np.flatnonzero(slot >= 0)
@@ -197,6 +199,10 @@ class _Expected:
         row_slot, row_pos = slot[self.rows], pos[self.rows]
         self.response = real[row_slot] & (row_pos >= first_scored[row_slot])
         self.prompt = real[row_slot] & (row_pos < first_scored[row_slot])
+        if loss_masks is not None:  # row P-1+j scores response token j
+            masks = [np.asarray(loss_masks[i]) > 0 for i in mb.indices]
+            at = np.flatnonzero(self.response)
+            self.response[at] = [masks[b][p - first_scored[b]] for b, p in zip(row_slot[at], row_pos[at])]
         self._on: tuple | None = None
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,8 +230,10 @@ class RouteProbe:
     # the counts accumulated on the device, in ProbeCounts' field names
     _ON_DEVICE = ("flips", "prompt_flips", "replay_mismatches", "margin_sum", "small_margins", "expert_load")
 
-    def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray]):
+    def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray],
+                 loss_masks: Sequence[np.ndarray] | None = None):
         self.routers = routers
+        self.loss_masks = loss_masks  # per sample: which response rows count (None: all of them)
         self.num_layers = num_layers
         self.num_experts = routers[0].config.num_moe_experts
         self._host = ProbeCounts.zeros(num_layers, self.num_experts)  # what the rows alone decide
@@ -238,7 +246,7 @@ class RouteProbe:
 
     def expect(self, mb: MicroBatch | None, *, replaying: bool, valid: Sequence[bool] | None = None) -> None:
         """The next forward runs ``mb`` (``valid[b]``: slot b is a real sample, not a padding repeat)."""
-        self._expected = _Expected(mb, self.layout, self.routes, valid) if mb is not None else None
+        self._expected = _Expected(mb, self.layout, self.routes, valid, self.loss_masks) if mb is not None else None
         self._replaying = replaying
 
     @property

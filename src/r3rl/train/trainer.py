@@ -237,8 +237,8 @@ class MegatronTrainer:
         routes = probe_routes
         mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes)
         results: dict[int, np.ndarray] = {}
-        probe = RouteProbe(driver_routers, self.cfg.model.num_layers, self.layout, routes) \
-            if (driver_routers and routes is not None) else None
+        probe = RouteProbe(driver_routers, self.cfg.model.num_layers, self.layout, routes,
+                           [s.loss_mask for s in samples]) if (driver_routers and routes is not None) else None
         if replay and model is not self.model:
             raise RuntimeError("routes are replayed into the policy model only, never a reference model (P12)")
         model.eval()
@@ -559,8 +559,8 @@ class MegatronTrainer:
         routes = self._validated_routes(samples, required=True) if replay else None
         per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks,
                                            pi_old_from_forward=pi_old is not None)
-        probe = RouteProbe(self.routers, self.cfg.model.num_layers, self.layout, routes) \
-            if replay and not self.pipelined else None
+        probe = RouteProbe(self.routers, self.cfg.model.num_layers, self.layout, routes,
+                           [s.loss_mask for s in samples]) if replay and not self.pipelined else None
         totals = torch.zeros(6, dtype=torch.float64)
         norms, ok_steps, unconsumed, rejected_steps = [], 0, 0, 0
         lr = self.cfg.trainer.lr

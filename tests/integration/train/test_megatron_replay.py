@@ -80,11 +80,13 @@ def test_padding_rows_only_perturb_rounding(policy):
 def test_flip_rate_counts_response_rows_once_and_prompt_rows_apart(policy):
     """6 samples in micro batches of 4 (the second carries two padding slots repeating a real sample). A changed
     route on each sample's first prompt row (layer 2) and on its first scored row, P-1 (layer 1): the response
-    flip rate of layer 1 is 6 over the response rows (sum of R), that of layer 2 is 0; the prompt flip rate of layer
-    2 is 6 over the prompt rows (sum of P-1).
+    flip rate of layer 1 is 6 over the response rows in the loss (the tokens with loss mask 1), that of layer 2 is
+    0; the prompt flip rate of layer 2 is 6 over the prompt rows (sum of P-1). A changed route (layer 3) on the row
+    scoring a token out of the loss (the last token of every third sample) counts nowhere.
 
     Fails if the flip rate counts prompt rows or the padding slots' repeats (the old definition: over every row of
-    every slot), or if the first scored row P-1 is counted as a prompt row."""
+    every slot), if the first scored row P-1 is counted as a prompt row, or if it counts rows whose token the loss
+    masks (an episode's observation tokens, a masked sample: not the tokens train/logprob_abs_diff averages)."""
     samples = routed(policy, n=6, routes="record")
     assert len(samples) % policy.cfg.trainer.micro_batch_size != 0, "the last micro batch must carry padding"
     e = policy.cfg.model.num_experts
@@ -93,8 +95,11 @@ def test_flip_rate_counts_response_rows_once_and_prompt_rows_apart(policy):
         s.routed_experts[0, 2] = (s.routed_experts[0, 2] + 3) % e  # a prompt row: its set can only change
         first_scored = len(s.prompt_ids) - 1
         s.routed_experts[first_scored, 1] = (s.routed_experts[first_scored, 1] + 3) % e
+        if s.loss_mask[-1] == 0:  # the row scoring the last token, out of the loss
+            s.routed_experts[-1, 3] = (s.routed_experts[-1, 3] + 3) % e
+    assert any(s.loss_mask[-1] == 0 for s in samples)
     live = policy.logprobs(samples, replay=False)
-    response_rows = sum(s.response_length for s in samples)
+    response_rows = sum(int((s.loss_mask > 0).sum()) for s in samples)
     prompt_rows = sum(len(s.prompt_ids) - 1 for s in samples)
     expected = np.zeros(policy.cfg.model.num_layers)
     expected[1] = len(samples) / response_rows
@@ -107,16 +112,17 @@ def test_flip_rate_counts_response_rows_once_and_prompt_rows_apart(policy):
 def test_router_margins_and_expert_load_come_from_the_routers_own_choice_on_response_rows(policy):
     """6 samples in micro batches of 4 (padding repeats in the second), with rollout routes that are not the
     router's choice. Per layer, the MaxVio of the pass equals the one of the router's own recorded top-k over the
-    response rows (P-1 .. T-2 of each real sample); margins are positive, the small-margin share a share. Fails if
-    the load counts prompt rows, the padding slots' repeats, or the rollout's routes instead of the router's own."""
+    response rows in the loss (P-1 .. T-2 of each real sample, loss mask 1); margins are positive, the small-margin
+    share a share. Fails if the load counts prompt rows, masked tokens' rows, the padding slots' repeats, or the
+    rollout's routes instead of the router's own."""
     m = policy.cfg.model
     samples = build_samples(6, 3)
     own = policy.record_routes(samples)
     with_routes(samples, random_routes(samples, m.num_layers, m.moe_topk, m.num_experts, 3))
     live = policy.logprobs(samples, replay=False)
     for layer in range(m.num_layers):
-        load = sum(np.bincount(r[len(s.prompt_ids) - 1:, layer].ravel().astype(np.int64), minlength=m.num_experts)
-                   for s, r in zip(samples, own))
+        load = sum(np.bincount(r[len(s.prompt_ids) - 1:][s.loss_mask > 0, layer].ravel().astype(np.int64),
+                               minlength=m.num_experts) for s, r in zip(samples, own))
         assert live.load_max_vio_per_layer[layer] == pytest.approx(M.max_vio(load)), layer
     assert (live.margin_per_layer > 0).all()
     assert ((live.small_margin_per_layer >= 0) & (live.small_margin_per_layer <= 1)).all()
@@ -184,7 +190,8 @@ def test_probe_margins_equal_metrics_definition_on_the_same_router_logits(policy
             out = hf_reference.model(torch.from_numpy(s.tokens.astype(np.int64))[None], output_router_logits=True)
         p = len(s.prompt_ids)
         for layer, logits in enumerate(out.router_logits):
-            margins[layer].append(M.router_margins(logits[p - 1:-1].numpy(), m.moe_topk))
+            margins[layer].append(M.router_margins(logits[p - 1:-1][torch.from_numpy(s.loss_mask > 0)].numpy(),
+                                                   m.moe_topk))
     for layer in range(m.num_layers):
         ref = np.concatenate(margins[layer])
         assert live.margin_per_layer[layer] == pytest.approx(ref.mean(), rel=1e-3, abs=1e-5), layer
