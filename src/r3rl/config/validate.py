@@ -333,7 +333,14 @@ def validate(cfg: R3RLConfig) -> None:
     # would take the gradient under the wrong distribution (NeMo-RL's async GRPO asserts the same)
     check(alg.max_staleness == 0 or cfg.correction.name != "none", "correction",
           f"algorithm.max_staleness={alg.max_staleness} trains on samples of older weights; a correction that weights "
-          "each token by the generating policy's log-probs must be on: correction=tis (or icepop, seq_mask_tis)")
+          "each token by the generating policy's log-probs must be on: correction=tis (or icepop)")
+    # seq_mask_tis's band on a sequence's geometric-mean ratio (NeMo-RL's [0.999, 1.002]) is sized for the engine
+    # mismatch alone: one step of policy lag moves most sequences out of it, and the step trains on nearly nothing
+    check(alg.max_staleness == 0 or cfg.correction.name != "seq_mask_tis", "correction",
+          f"seq_mask_tis rejects sequences whose geometric-mean ratio leaves [{cfg.correction.seq_ratio_low}, "
+          f"{cfg.correction.seq_ratio_high}], a band for the engine mismatch alone; with "
+          f"algorithm.max_staleness={alg.max_staleness} the policy lag rejects most of them: use correction=tis "
+          "(truncated token weights) or correction=icepop (tokens outside its ratio band masked)")
 
     # recipe: grpo (the default) or sft, and SFT's own batch and data
     check(cfg.recipe.name in RECIPE_NAMES, "recipe", f"must be one of {RECIPE_NAMES}, got {cfg.recipe.name!r}")

@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parents[3]
         # one step off-policy without a correction by the generating policy: the gradient is under the wrong policy
         (["algorithm.max_staleness=1"], "correction"),
         (["algorithm.max_staleness=2", "correction.seq_error_threshold=2.0"], "correction"),
+        # its band is sized for the engine mismatch alone: policy lag would reject most sequences
+        (["algorithm.max_staleness=1", "correction=seq_mask_tis"], "correction"),
         (["rollout=vllm", "replay=r3"], "replay"),
         (["rollout=vllm", "replay=r2", "trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
         ([GPU, "replay=r2", "parallelism.trainer.pipeline_parallel=2", "parallelism.trainer.expert_parallel=2"],
