@@ -10,6 +10,13 @@ Ending a rollout early: ``pause_abort()`` pauses every engine with ``mode=abort`
 are never returned as trainable: with ``on_abort="regenerate"`` (default) they are sent again after the resume,
 with ``on_abort="drop"`` they (and samples not yet sent) are left out of the result.
 
+Weights updated under requests in flight (``r3rl.sync.disk.update_weights_from_hf(in_flight=True)``,
+``EngineSet.pause(keep=True)``) leave the prefix cache as it is: its blocks are held by those requests. After such an
+update the recipe calls ``serve_version``: every request sent from then on carries the version as its
+``cache_salt``, so it never reuses a block computed under older weights, and a sample counts as of the version its
+request was sent under when that is older than its tokens' (its prompt may have been prefilled from that version's
+blocks).
+
 A request has no deadline of its own: vLLM queues what its KV cache cannot hold, so the last requests of a step
 sent at once wait for whole decodes before they start. ``request_timeout_s`` bounds how long an engine with
 requests in flight may go without answering any of them: a request fails only when its engine stopped answering.
@@ -94,6 +101,27 @@ class RolloutClient:
         # per engine: requests in flight, and when it last answered one (or went busy, or was resumed)
         self._busy: dict[str, int] = dict.fromkeys(self.urls, 0)
         self._answered_at: dict[str, float] = dict.fromkeys(self.urls, time.monotonic())
+        # the weight version requests are sent under once updates happen in flight (serve_version); None: the
+        # engines' prefix cache is reset at every update instead, and requests carry no salt
+        self.sent_version: int | None = None
+
+    def serve_version(self, version: int) -> None:
+        """From now on the engines serve weight ``version``, updated in flight: requests carry it as their
+        ``cache_salt`` and their samples count as no newer than it (see the module docstring)."""
+        self.sent_version = version
+
+    @property
+    def cache_salt(self) -> str | None:
+        return None if self.sent_version is None else f"r3rl-weights-{self.sent_version}"
+
+    def _as_sent(self, samples: list[Sample], version: int | None) -> list[Sample]:
+        """``samples`` counted as no newer than the version their request was sent under (``None``: no salt)."""
+        if version is not None:
+            for s in samples:
+                s.extra["sent_version"] = version
+                if s.response_length and (s.weight_version or 0) > version:
+                    s.weight_version = version
+        return samples
 
     @classmethod
     def from_config(cls, cfg, urls: Sequence[str], **kwargs) -> RolloutClient:
@@ -142,11 +170,13 @@ class RolloutClient:
                 assert self._running is not None
                 await self._running.wait()
                 rid = self.request_id(f"s{step}-{first}{f'x{count}' if count > 1 else ''}-a{attempt}")
-                body = request_body(rid, prompt, sampling, sample_seed(sampling.seed, step, first), stop_token_ids,
-                                    None if max_tokens is None else max_tokens[group], n=count)
                 async with gates[url]:
                     if not self._running.is_set():
                         continue  # paused while waiting for a slot: never send into a paused engine
+                    sent = self.sent_version
+                    body = request_body(rid, prompt, sampling, sample_seed(sampling.seed, step, first),
+                                        stop_token_ids, None if max_tokens is None else max_tokens[group], n=count,
+                                        cache_salt=self.cache_salt)
                     raw = await self._post(clients[url], url, body, samples_named(first, count), rid)
                 break
             # A long response off the event loop: a 32K-token one is a 17 MB JSON string (~20 ms to parse) plus
@@ -155,7 +185,8 @@ class RolloutClient:
             parse = functools.partial(samples_from_body, raw, url=url, first_index=first, count=count, group=group,
                                       request_id=rid, prompt=prompt, routes=routes,
                                       label=None if labels is None else labels[group])
-            samples = await asyncio.to_thread(parse) if len(raw) > _PARSE_INLINE_BYTES else parse()
+            samples = self._as_sent(await asyncio.to_thread(parse) if len(raw) > _PARSE_INLINE_BYTES else parse(),
+                                    sent)
             kept = [s for s in samples if s.status is not SampleStatus.ABORTED]
             bar.update(len(kept))
             aborted = [s.index - group * n for s in samples if s.status is SampleStatus.ABORTED]
@@ -194,12 +225,14 @@ class RolloutClient:
         Waits while the engines are paused; an aborted turn comes back with status ``ABORTED``."""
         assert self._running is not None
         await self._running.wait()  # never send into a paused engine
-        body = request_body(request_id, context, sampling, seed, stop_token_ids, max_tokens, routes_from=routes_from)
+        sent = self.sent_version
+        body = request_body(request_id, context, sampling, seed, stop_token_ids, max_tokens, routes_from=routes_from,
+                            cache_salt=self.cache_salt)
         raw = await self._post(sessions[url], url, body, f"sample {index}", request_id)
         parse = functools.partial(samples_from_body, raw, url=url, first_index=index, count=1, group=group,
                                   request_id=request_id, prompt=context,
                                   routes=self.spec if self.routing_replay else None, routes_from=routes_from)
-        (sample,) = await asyncio.to_thread(parse) if len(raw) > _PARSE_INLINE_BYTES else parse()
+        (sample,) = self._as_sent(await asyncio.to_thread(parse) if len(raw) > _PARSE_INLINE_BYTES else parse(), sent)
         return sample
 
     def generate_sync(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,

@@ -35,11 +35,12 @@ def sample_seed(base_seed: int, step: int, index: int) -> int:
 
 def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfig, seed: int,
                  stop_token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
-                 n: int = 1, routes_from: int = 0) -> dict[str, Any]:
+                 n: int = 1, routes_from: int = 0, cache_salt: str | None = None) -> dict[str, Any]:
     """One request for ``n`` samples of ``prompt``; vLLM seeds its ``j``-th sample with ``seed + j`` (its parallel
     sampling), so the samples are those of ``n`` one-sample requests seeded ``seed .. seed + n - 1``.
     ``routes_from``: the first route row the engine returns (vLLM's ``routed_experts_prompt_start``; a multi-turn
-    episode's later turns hold the rows before it already)."""
+    episode's later turns hold the rows before it already). ``cache_salt``: vLLM shares prefix-cache blocks only
+    between requests of the same salt."""
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -56,7 +57,10 @@ def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfi
         params["stop_token_ids"] = [int(t) for t in stop_token_ids]
     if routes_from:
         params["routed_experts_prompt_start"] = int(routes_from)
-    return {"request_id": request_id, "token_ids": [int(t) for t in prompt], "sampling_params": params}
+    body = {"request_id": request_id, "token_ids": [int(t) for t in prompt], "sampling_params": params}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
 
 
 def samples_named(first: int, count: int) -> str:

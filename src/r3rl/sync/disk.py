@@ -4,6 +4,10 @@
 has every worker load the HF safetensors folder through r3rl's worker extension (which re-runs the layers'
 post-load processing; see ``worker_extension``), drops the prefix cache (its KV *and routed experts* were computed
 by the old weights), labels the weights with ``version`` (responses report it per token span) and resumes.
+``in_flight=True`` updates under the requests in flight instead (``/pause?mode=keep``: they freeze with their KV
+cache and continue on the new weights after ``/resume``, each position computed once); the prefix cache then
+cannot be reset (those requests hold its blocks), and new requests keep off the older blocks by their
+``cache_salt`` (``r3rl.rollout.client``: the version they were sent under).
 ``weight_checksums`` (vLLM's ``/weight_checker``) proves what the engine holds.
 """
 
@@ -42,8 +46,10 @@ def post_dev_route(client: httpx.Client, url: str, path: str, what: str, **kwarg
     return resp
 
 
-def update_weights_from_hf(url: str, hf_dir: Path, version: int, *, timeout_s: float = 900.0) -> WeightUpdate:
-    """Load ``hf_dir`` (HF-format ``*.safetensors`` of the served architecture) into the engine at ``url``."""
+def update_weights_from_hf(url: str, hf_dir: Path, version: int, *, timeout_s: float = 900.0,
+                           in_flight: bool = False) -> WeightUpdate:
+    """Load ``hf_dir`` (HF-format ``*.safetensors`` of the served architecture) into the engine at ``url``
+    (``in_flight``: under the requests in flight; see the module docstring)."""
     import time
 
     hf_dir = Path(hf_dir).resolve()
@@ -52,14 +58,18 @@ def update_weights_from_hf(url: str, hf_dir: Path, version: int, *, timeout_s: f
     url = url.rstrip("/")
     start = time.perf_counter()
     with httpx.Client(timeout=timeout_s) as client:
-        post_dev_route(client, url, "/pause", "pause before the weight update", params={"mode": "wait", "clear_cache": True})
+        # keep: never clear_cache, which in vLLM 0.32 also drops the frozen requests' KV (EngineSet.pause)
+        post_dev_route(client, url, "/pause", "pause before the weight update",
+                       params={"mode": "keep", "clear_cache": False} if in_flight else
+                       {"mode": "wait", "clear_cache": True})
         try:
             resp = post_dev_route(client, url, "/collective_rpc", "loading the new weights",
                          json={"method": UPDATE_METHOD, "args": [str(hf_dir)], "timeout": timeout_s})
             workers = resp.json().get("results") or []
             if not workers or not all(isinstance(w, dict) and w.get("tensors", 0) > 0 for w in workers):
                 raise EngineError(f"engine {url}: weight update from {hf_dir} loaded nothing: {workers}", url=url)
-            ok = post_dev_route(client, url, "/reset_prefix_cache", "resetting the prefix cache").json()
+            ok = {"success": True} if in_flight else \
+                post_dev_route(client, url, "/reset_prefix_cache", "resetting the prefix cache").json()
             if not ok.get("success", False):
                 raise EngineError(f"engine {url}: prefix cache not reset after the weight update ({ok}); cached "
                                   "prefixes would serve KV and routes of the old weights", url=url)

@@ -85,8 +85,15 @@ class EngineSet:
             sizes.append(int(resp.json()["world_size"]))
         return sizes
 
-    def pause(self) -> None:
-        self.all("/pause", "pause before the weight update", params={"mode": "wait", "clear_cache": "false"})
+    def pause(self, *, keep: bool = False) -> None:
+        """``keep``: the requests in flight freeze with their KV cache and continue on the new weights after the
+        resume (an in-flight update: each position computed once, its route row from that forward); otherwise they
+        finish on the old weights first."""
+        # clear_cache=false for keep too: vLLM 0.32 resets the caches *with* the running requests' KV on a pause
+        # that clears them, whatever the mode (EngineCore._finish_pause -> _reset_caches(reset_running_requests)),
+        # and the frozen requests would then be recomputed under the new weights
+        params = {"mode": "keep" if keep else "wait", "clear_cache": "false"}
+        self.all("/pause", "pause before the weight update", params=params)
 
     def start_weight_update(self) -> None:
         self.all("/start_weight_update", "starting the weight update")

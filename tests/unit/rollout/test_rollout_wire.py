@@ -191,3 +191,14 @@ def test_engines_whose_weights_another_update_labelled_are_named():
 
     labels = {"http://a:1": "default", "http://b:2": "37", "http://c:3": None}
     assert foreign_weight_labels(labels) == {"http://b:2": "37", "http://c:3": None}
+
+
+def test_request_body_carries_the_cache_salt_only_when_given():
+    """Fails if a salted request loses its salt (a request after an in-flight weight update would then reuse prefix
+    blocks computed by older weights) or an unsalted one gets one (every request would miss the prefix cache)."""
+    from r3rl.config.schema import SamplingConfig
+    from r3rl.rollout.wire import request_body
+
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=4, seed=1)
+    assert "cache_salt" not in request_body("r", [1, 2], sampling, 0)
+    assert request_body("r", [1, 2], sampling, 0, cache_salt="r3rl-weights-3")["cache_salt"] == "r3rl-weights-3"
