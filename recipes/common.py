@@ -209,24 +209,28 @@ class Recipe:
                                            bucket_bytes=int(self.cfg.rollout.weight_sync.bucket_mb * (1 << 20)),
                                            shared_memory=self.cfg.rollout.weight_sync.shared_memory)
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int, *, in_flight: bool = False) -> None:
         """pause (colocated: wake the sleeping engines' weights only) -> start -> one broadcast per bucket into every
-        engine -> finish(version) -> (colocated: wake the KV cache) -> reset prefix cache -> resume."""
+        engine -> finish(version) -> (colocated: wake the KV cache) -> reset prefix cache -> resume.
+        ``in_flight``: under the requests in flight, which freeze with their KV cache and continue on the new
+        weights (``/pause?mode=keep``); the prefix cache is not reset (they hold its blocks): requests sent from
+        then on carry the new version as their cache salt (``RolloutClient.serve_version``)."""
         asleep, self.engines_asleep = self.engines_asleep, False
         if asleep:
             self.wake_engines(["weights"])
         if self.weight_sync == "disk":  # pause, load, reset, label and resume per engine (r3rl.sync.disk)
             exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
             for url in self.engines.urls:
-                update_weights_from_hf(url, exported, version)
+                update_weights_from_hf(url, exported, version, in_flight=in_flight)
         else:
             if not asleep:  # sleeping engines were paused by /sleep
-                self.engine_set.pause()
+                self.engine_set.pause(keep=in_flight)
             self.trainers.send_weights(version)
         if asleep:  # the send's buckets are freed by now; their cached blocks go back before the KV cache comes
             self.wake_engines(["kv_cache"])
         if self.weight_sync != "disk":
-            self.engine_set.reset_prefix_cache()
+            if not in_flight:
+                self.engine_set.reset_prefix_cache()
             self.engine_set.resume()
         self.engine_version = version
 

@@ -4,6 +4,8 @@ Each step reads top to bottom: generate -> log-probs (with and without replay) -
 sync weights -> log -> save. With ``algorithm.max_staleness >= 1`` the engines are the producer and the trainer the
 consumer: a step takes the batch the engines generated during the previous step, hands the engines the trainer's
 weights if their next batch would otherwise come out too old, starts that batch, and trains this one meanwhile.
+With ``algorithm.weight_update=in_flight`` the weights go to the engines under the batch still generating, and the
+next batch starts beside its slowest samples, before the step waits for them.
 The driver process is the controller and holds no GPU; trainer ranks and vLLM engines are Ray actors placed by
 ``r3rl.placement``. What the SFT recipe shares with this one (start and stop of the
 actors, weight sync, eval points, checkpoints, SIGTERM, the end-of-run report) is in ``recipes/common.py``.
@@ -50,12 +52,16 @@ class GRPORecipe(common.Recipe):
         self.correction = correction.Correction.of(cfg.correction)
         self.pi_old_in_forward = pi_old_from_training_forward(cfg)
         self.max_staleness = cfg.algorithm.max_staleness
+        self.in_flight = cfg.algorithm.weight_update == "in_flight"
+        # in flight, every batch (and DAPO round) has a client of its own: two batches generate at once, from two
+        # threads, and each client's state belongs to one event loop; a sync in flight reaches all of them
+        self.live_clients: list[RolloutClient] = []
         # max_staleness >= 1: the batch the engines generate while the trainer trains (its step, its prompts, the
         # future of its first generation round, and the data state from before its prompts were drawn, which a
         # checkpoint saves so that a resumed run generates it again: nothing lost, nothing trained twice). Grading
         # stays in the main thread (the reward's SIGALRM deadline), and with it any further DAPO round
-        self.producer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3rl-rollout-ahead") \
-            if self.max_staleness else None
+        self.producer = ThreadPoolExecutor(max_workers=2 if self.in_flight else 1,
+                                           thread_name_prefix="r3rl-rollout-ahead") if self.max_staleness else None
         self.ahead: tuple[int, list, Future, dict] | None = None
         # env with episodes (r3rl.env): the environment, built in setup, and its episode loop over the client
         self.environment = None
@@ -241,21 +247,31 @@ class GRPORecipe(common.Recipe):
             self.start_ahead(step)
         ahead_step, prompts, future, _ = self.ahead
         assert ahead_step == step, f"the batch ahead is step {ahead_step}'s, not step {step}'s"
-        generated, timings["generate"] = future.result()  # an engine that failed raises here, naming itself
         self.ahead = None
+        if self.in_flight:  # the sync and the next batch do not wait for this batch's slowest samples
+            self.sync_and_start_next(step, timings, in_flight=True)
+        generated, timings["generate"] = future.result()  # an engine that failed raises here, naming itself
         samples, stats = self.rollout(step, prompts, generated)  # graded; DAPO's further rounds generated now
         try:
             samples, stale = staleness.drop_stale(samples, step - 1, self.max_staleness)
         except staleness.StaleVersionError as err:  # ends the run like any engine fault: a clear line, exit 1
             raise EngineError(f"step {step}: {err}") from err
-        if step < cfg.run.num_steps:
-            if staleness.must_sync(self.engine_version or 0, step - 1, self.max_staleness):
-                t = time.perf_counter()
-                self.sync_weights(version=step - 1)
-                timings["weight_sync"] = time.perf_counter() - t
-            self.start_ahead(step + 1)
+        if not self.in_flight:
+            self.sync_and_start_next(step, timings, in_flight=False)
         timings.setdefault("weight_sync", 0.0)
-        return samples, {**stats, **stale}
+        return samples, {**stats, **stale, **staleness.token_metrics(samples, step - 1)}
+
+    def sync_and_start_next(self, step: int, timings: dict[str, float], *, in_flight: bool) -> None:
+        """Before the batch of ``step + 1`` starts: the trainer's weights, if that batch would otherwise be trained
+        more than ``max_staleness`` versions after its weights (``in_flight``: under the requests still
+        generating)."""
+        if step >= self.cfg.run.num_steps:
+            return
+        if staleness.must_sync(self.engine_version or 0, step - 1, self.max_staleness):
+            t = time.perf_counter()
+            self.sync_weights(version=step - 1, in_flight=in_flight)
+            timings["weight_sync"] = time.perf_counter() - t
+        self.start_ahead(step + 1)
 
     def start_ahead(self, step: int) -> None:
         data_state = self.dataset.state_dict()  # before the batch's prompts are drawn
@@ -267,14 +283,17 @@ class GRPORecipe(common.Recipe):
 
         self.ahead = (step, prompts, self.producer.submit(generate), data_state)
 
-    def sync_weights(self, version: int) -> None:
-        """The engines take the trainer's weights, never while a batch generated ahead is in flight: its samples
-        would carry tokens of two weight versions under one version label (``collect`` and ``before_eval`` wait for
-        it first)."""
-        if self.ahead is not None and not self.ahead[2].done():
+    def sync_weights(self, version: int, *, in_flight: bool = False) -> None:
+        """The engines take the trainer's weights; between batches, never while a batch generated ahead is in
+        flight (``collect`` and ``before_eval`` wait for it first). In flight, the requests sent from now on carry
+        the new version as their cache salt, the batches still generating included."""
+        if not in_flight and self.ahead is not None and not self.ahead[2].done():
             raise RuntimeError(f"weight sync to version {version} while the batch of step {self.ahead[0]} is still "
                                "generating: wait for it first")
-        super().sync_weights(version)
+        super().sync_weights(version, in_flight=in_flight)
+        if self.in_flight:
+            for client in [self.client, *self.live_clients]:
+                client.serve_version(version)
 
     def data_state(self) -> dict:
         """The data sampler's state for a checkpoint: from before the prompts of a batch generated ahead."""
@@ -351,10 +370,19 @@ class GRPORecipe(common.Recipe):
         if self.episodes is not None:  # multi-turn: an episode per sample, one Sample each
             return asyncio.run(self.episodes.run([EpisodePrompt(p.prompt_ids, p.text, p.label) for p in prompts],
                                                  cfg.algorithm.n_samples_per_prompt, sampling, step=step))
-        samples = asyncio.run(self.client.generate(
-            [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, sampling,
-            step=step, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in prompts],
-        ))
+        client = self.client
+        if self.in_flight:
+            client = RolloutClient.from_config(cfg, self.engines.urls)
+            client.serve_version(self.engine_version or 0)
+            self.live_clients.append(client)
+        try:
+            samples = asyncio.run(client.generate(
+                [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, sampling,
+                step=step, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in prompts],
+            ))
+        finally:
+            if client is not self.client:
+                self.live_clients.remove(client)
         aborted = [s.index for s in samples if s.status == SampleStatus.ABORTED]
         if aborted:
             # an aborted sample has no complete response: training on it would be silently off-policy

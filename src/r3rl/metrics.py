@@ -157,6 +157,11 @@ OVERLONG_PENALTY_MEAN = "rollout/overlong_penalty_mean"
 STALENESS_MEAN = "rollout/staleness_mean"
 STALENESS_MAX = "rollout/staleness_max"
 DROPPED_STALE = "rollout/dropped_stale"
+# per response token in the loss: trainer version minus the version that generated the token (a request sent under
+# an older version counts as that version); and the share of samples whose tokens came from more than one version
+# (algorithm.weight_update=in_flight)
+STALENESS_TOKEN_MEAN = "rollout/staleness_token_mean"
+SPANNING_VERSIONS_SHARE = "rollout/spanning_versions_share"
 # train/logprob_abs_diff over the samples of staleness 0 only: the engine mismatch without the policy lag
 # (absent from a step that has none)
 LOGPROB_ABS_DIFF_FRESH = "train/logprob_abs_diff_fresh"

@@ -8,6 +8,8 @@ REPLAY_NAMES = ("auto", "none", "r2", "r3")
 RECIPE_NAMES = ("grpo", "sft")
 # the options of r3rl.train.correction
 CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
+# when the engines take new weights under max_staleness >= 1 (recipes/grpo.py)
+WEIGHT_UPDATE_NAMES = ("between_batches", "in_flight")
 # correction.rejected_tokens: what a token IcePop / seq_mask_tis rejects does to the loss's token count
 REJECTED_TOKENS = ("zero_weight", "drop_from_count")
 # the disjoint shares of a generated problem space (r3rl.data.arithmetic.SPLITS gives their sizes)

@@ -188,6 +188,7 @@ class GRPOConfig(Frozen):
     # DAPO (r3rl.train.dapo): drop groups of all-equal raw accuracy and generate more prompts until the batch is full
     dynamic_sampling: bool = False
     max_staleness: int = 0
+    weight_update: str = "between_batches"  # or in_flight (max_staleness >= 1)
     max_generation_rounds: int = 10
     # DAPO's soft overlong punishment over the last overlong_buffer tokens before max_tokens (0: off)
     overlong_buffer: int = 0

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from r3rl.config.modes import (CORRECTION_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES, SPLIT_NAMES,
-                               TRAIN_SPLIT, replay_mode)
+                               TRAIN_SPLIT, WEIGHT_UPDATE_NAMES, replay_mode)
 from r3rl.config.schema import R3RLConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -334,6 +334,17 @@ def validate(cfg: R3RLConfig) -> None:
     check(alg.max_staleness == 0 or cfg.correction.name != "none", "correction",
           f"algorithm.max_staleness={alg.max_staleness} trains on samples of older weights; a correction that weights "
           "each token by the generating policy's log-probs must be on: correction=tis (or icepop)")
+    check(alg.weight_update in WEIGHT_UPDATE_NAMES, "algorithm.weight_update",
+          f"must be one of {WEIGHT_UPDATE_NAMES}, got {alg.weight_update!r}")
+    check(alg.weight_update != "in_flight" or alg.max_staleness >= 1, "algorithm.weight_update",
+          "in_flight updates the engines' weights under the batch they generate while the trainer trains: it needs "
+          f"algorithm.max_staleness >= 1 (got {alg.max_staleness})")
+    check(alg.weight_update != "in_flight" or cfg.env.environment is None, "algorithm.weight_update",
+          "in_flight with multi-turn episodes (env=...) is not supported yet: use between_batches")
+    # the next batch's prompts are drawn before this batch's further DAPO rounds: a checkpoint's data state could
+    # not put both back
+    check(alg.weight_update != "in_flight" or not alg.dynamic_sampling, "algorithm.weight_update",
+          "in_flight with algorithm.dynamic_sampling=true is not supported yet: use between_batches")
     # seq_mask_tis's band on a sequence's geometric-mean ratio (NeMo-RL's [0.999, 1.002]) is sized for the engine
     # mismatch alone: one step of policy lag moves most sequences out of it, and the step trains on nearly nothing
     check(alg.max_staleness == 0 or cfg.correction.name != "seq_mask_tis", "correction",

@@ -47,6 +47,30 @@ def drop_stale(samples: Sequence[Sample], trainer_version: int, max_staleness: i
                   M.DROPPED_STALE: float(sum(drop))}
 
 
+def token_versions(sample: Sample) -> np.ndarray:
+    """Per response token, the weight version that generated it, from vLLM's spans (``extra["weight_versions"]``;
+    the initial weights are 0), none newer than the version the request was sent under (``extra["sent_version"]``:
+    its prompt may come from that version's cached blocks). Without spans (a stitched episode), its version."""
+    out = np.full(sample.response_length, sample.weight_version or 0, dtype=np.int64)
+    spans = sample.extra.get("weight_versions")
+    if spans and sample.response_length:
+        for span in spans:
+            label = str(span["version"])
+            out[int(span["start"]):int(span["end"])] = int(label) if label.isdigit() else 0
+    sent = sample.extra.get("sent_version")
+    return np.minimum(out, sent) if sent is not None else out
+
+
+def token_metrics(samples: Sequence[Sample], trainer_version: int) -> dict[str, float]:
+    """Staleness per response token in the loss, and the share of samples spanning two or more versions."""
+    per_sample = [token_versions(s) for s in samples]
+    ages = [trainer_version - v[s.loss_mask > 0] for s, v in zip(samples, per_sample)]
+    counted = np.concatenate(ages) if ages else np.zeros(0)
+    return {M.STALENESS_TOKEN_MEAN: float(counted.mean()) if counted.size else 0.0,
+            M.SPANNING_VERSIONS_SHARE: float(np.mean([len(np.unique(v)) > 1 for v in per_sample]))
+            if per_sample else 0.0}
+
+
 def must_sync(engine_version: int, trainer_version: int, max_staleness: int) -> bool:
     """Whether the engines need the trainer's weights before they start the next batch: that batch is trained one
     version later than now (after this step's update), and must not come out more than ``max_staleness`` old."""

@@ -185,16 +185,26 @@ def test_an_engine_that_cannot_start_ends_the_run_naming_it_and_leaves_nothing(t
         shutil.rmtree(ray_temp, ignore_errors=True)
 
 
-@pytest.mark.parametrize("max_staleness", [0, 1], ids=["in_turn", "generating_ahead"])
-def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, tiny_model_dir, max_staleness):
-    """The engine's process group is killed under the running recipe (with max_staleness 1, while it generates the
-    batch ahead): exit 1, an error naming the engine, the last completed step's checkpoint, nothing left running.
-    Fails if the producer thread's failure were lost (the run would hang on its batch, or end as a success)."""
+@pytest.mark.parametrize("overlap", [("algorithm.max_staleness=0",),
+                                     ("algorithm.max_staleness=1", "algorithm.weight_update=in_flight")],
+                         ids=["in_turn", "in_flight"])
+def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, tiny_model_dir, overlap):
+    """The engine's process group is killed under the running recipe: exit 1, an error naming the engine, the last
+    completed step's checkpoint, nothing left running. In flight (the engines take each step's weights under the
+    batch they generate, /pause?mode=keep, and start the next batch beside it; max_staleness 1 between batches runs
+    in test_async_recipe.py and the two-host test), the kill comes after two steps whose syncs went in flight, which
+    trained with every replayed route matched and no sample older than the bound. Fails if the producer threads'
+    failure were lost (the run would hang on its batch, or end as a success), if the in-flight sync reset the
+    prefix cache (vLLM refuses it while requests hold blocks: the run would end at step 2) or paused otherwise than
+    with mode=keep, or if replay broke on samples whose tokens span two versions."""
     run_dir = tmp_path / "dead_engine"
-    proc = start_recipe(run_dir, "run.num_steps=6", "run.save_every=1", "run.eval_every=0",
-                        f"algorithm.max_staleness={max_staleness}", "correction=tis")
+    in_flight = "algorithm.weight_update=in_flight" in overlap
+    proc = start_recipe(run_dir, "run.num_steps=6", "run.save_every=1", "run.eval_every=0", *overlap,
+                        "correction=tis", "rollout=vllm_r3")
     try:
-        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc)
+        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file() and
+                 checkpoint.read_meta(checkpoint.latest(run_dir)).step >= (2 if in_flight else 1), 900,
+                 "step checkpoint", proc)
         engine = json.loads((run_dir / "processes.json").read_text())["engines"][0]
         # a real fault: the vLLM server's whole process group is killed under the running recipe
         os.killpg(engine["pid"], signal.SIGKILL)
@@ -208,3 +218,12 @@ def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, 
     assert checkpoint.read_meta(checkpoint.latest(run_dir)).step >= 1
     assert not pid_alive(engine["pid"])
     assert_nothing_left(run_dir)
+    if in_flight:
+        engine_log = "".join(f.read_text(errors="replace") for f in (run_dir / "logs").glob("engine*.log"))
+        assert "/pause?mode=keep" in engine_log and "/reset_prefix_cache" not in engine_log.split("mode=keep", 1)[1]
+        (run,) = wandb_runs(run_dir)
+        rows = {row["_step"]: row for row in run.history if M.LOGPROB_ABS_DIFF in row}
+        for step in (1, 2):
+            row = rows[step]
+            assert row[M.REPLAY_MISMATCH_ROWS] == 0.0 and row[M.DROPPED_STALE] == 0, row
+            assert row[M.STALENESS_MAX] == (0 if step == 1 else 1) and 0 <= row[M.SPANNING_VERSIONS_SHARE] <= 1

@@ -42,6 +42,12 @@ REPO = Path(__file__).resolve().parents[3]
         (["algorithm.max_staleness=2", "correction.seq_error_threshold=2.0"], "correction"),
         # its band is sized for the engine mismatch alone: policy lag would reject most sequences
         (["algorithm.max_staleness=1", "correction=seq_mask_tis"], "correction"),
+        (["algorithm.weight_update=in_flight"], "algorithm.weight_update"),  # needs max_staleness >= 1
+        (["algorithm.weight_update=sometimes"], "algorithm.weight_update"),
+        (["env=calculator", "algorithm.max_staleness=1", "correction=tis", "algorithm.weight_update=in_flight"],
+         "algorithm.weight_update"),
+        (["algorithm.dynamic_sampling=true", "algorithm.max_staleness=1", "correction=tis",
+          "algorithm.weight_update=in_flight"], "algorithm.weight_update"),
         (["rollout=vllm", "replay=r3"], "replay"),
         (["rollout=vllm", "replay=r2", "trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
         ([GPU, "replay=r2", "parallelism.trainer.pipeline_parallel=2", "parallelism.trainer.expert_parallel=2"],

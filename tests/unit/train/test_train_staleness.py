@@ -8,7 +8,8 @@ import pytest
 
 from r3rl import metrics as M
 from r3rl.sample import Sample, SampleStatus
-from r3rl.train.staleness import StaleVersionError, drop_stale, must_sync, staleness
+from r3rl.train.staleness import (StaleVersionError, drop_stale, must_sync, staleness, token_metrics,
+                                  token_versions)
 
 
 def sample(index: int, version: int | None) -> Sample:
@@ -59,3 +60,19 @@ def test_engines_take_new_weights_just_often_enough_to_keep_the_bound(max_stalen
             synced.append(step)
         assert (trainer + 1) - engine <= max_staleness  # the age of the batch started now, when it trains
     assert synced == syncs
+
+
+def test_token_staleness_reads_the_spans_and_counts_a_request_as_of_the_version_it_was_sent_under():
+    """Sample 0's tokens span an in-flight update (versions 3, then 4 from token 2); sample 1 was sent under version
+    4 and labelled 5 for every token (prefilled after the next update, possibly from version 4's cached blocks); its
+    last token is out of the loss. At trainer version 5: token ages 2,2,1,1 and 1,1,1 (mean 9/7), one sample of two
+    spans two versions. Fails if the spans are ignored (sample 0 would count 2 for every token and span nothing), if
+    the sent version does not cap the tokens' (sample 1 would count 0), or if masked tokens count."""
+    spanning, capped = sample(0, 3), sample(1, 5)
+    spanning.extra["weight_versions"] = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 4}]
+    capped.extra.update(weight_versions=[{"version": "5", "start": 0, "end": 4}], sent_version=4)
+    capped.loss_mask[-1] = 0.0
+    assert token_versions(spanning).tolist() == [3, 3, 4, 4] and token_versions(capped).tolist() == [4, 4, 4, 4]
+    got = token_metrics([spanning, capped], 5)
+    assert got[M.STALENESS_TOKEN_MEAN] == pytest.approx(9 / 7)
+    assert got[M.SPANNING_VERSIONS_SHARE] == 0.5
