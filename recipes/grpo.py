@@ -228,6 +228,7 @@ class GRPORecipe(common.Recipe):
                 values[M.LOGPROB_ABS_DIFF_FRESH] = M.logprob_abs_diff(
                     [replayed.logprobs[i] for i in fresh], [samples[i].rollout_logprobs for i in fresh],
                     [samples[i].loss_mask for i in fresh])
+            values.update(version_token_mismatch(samples, step - 1, replayed, unreplayed))
         values.update({f"train/{k}": float(v) for k, v in train_out.items()
                        if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
         if self.colocated:  # what the trainer still held on its GPUs when the engines woke (0 on a CPU)
@@ -398,6 +399,23 @@ def mask_failed_episodes(samples: list[Sample], route_row_bytes: int = 0) -> tup
     kept = [dataclasses.replace(s, loss_mask=np.zeros_like(s.loss_mask)) if s.group in failed else s for s in samples]
     return kept, {**M.episode_metrics([s.extra["episode"] for s in samples], route_row_bytes),
                   M.EPISODES_MASKED: float(sum(s.group in failed for s in samples))}
+
+
+def version_token_mismatch(samples: list[Sample], trainer_version: int, replayed, unreplayed) -> dict[str, float]:
+    """The mismatch with and without replay over the response tokens the trainer's current weights generated and over
+    those older weights generated (a sample spanning an in-flight update has both), each where there are any."""
+    versions = [staleness.token_versions(s) for s in samples]
+    rollout_lps = [s.rollout_logprobs for s in samples]
+    out = {}
+    for which, keep in (("current", lambda v: v == trainer_version), ("older", lambda v: v < trainer_version)):
+        masks = [s.loss_mask * keep(v) for s, v in zip(samples, versions)]
+        if not any(m.any() for m in masks):
+            continue
+        for key, result in ((M.LOGPROB_ABS_DIFF_VERSION_TOKENS, replayed),
+                            (M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS, unreplayed)):
+            if result is not None:
+                out[key.format(which=which)] = M.logprob_abs_diff(result.logprobs, rollout_lps, masks)
+    return out
 
 
 def wait_quietly(future: Future) -> None:

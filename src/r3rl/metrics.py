@@ -165,6 +165,10 @@ SPANNING_VERSIONS_SHARE = "rollout/spanning_versions_share"
 # train/logprob_abs_diff over the samples of staleness 0 only: the engine mismatch without the policy lag
 # (absent from a step that has none)
 LOGPROB_ABS_DIFF_FRESH = "train/logprob_abs_diff_fresh"
+# max_staleness >= 1, per response token: the mismatch (replayed, and unreplayed on the paired pass) over the tokens
+# the weights pi_old was computed with generated ("current") and over those older weights generated ("older")
+LOGPROB_ABS_DIFF_VERSION_TOKENS = "train/logprob_abs_diff_{which}_version_tokens"
+LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS = "train/logprob_abs_diff_no_replay_{which}_version_tokens"
 REWARD_STDERR = "rollout/reward_stderr"
 # multi-turn episodes (env=calculator, r3rl.env): means over the step's episodes of policy turns, tool calls and
 # observation tokens; counts of tool errors (an error observation: a bad expression, a step that raised or hung),
