@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -267,19 +268,24 @@ def test_launch_refuses_a_disk_that_cannot_hold_the_checkpoints_kept(tmp_path):
     assert key == "run.keep_checkpoints" and "GiB are free" in reason and str(tmp_path / "run") in reason
 
 
-def test_a_resumed_fully_reshardable_checkpoint_is_planned_as_its_load_gathers(tmp_path):
-    """A 4+4 checkpoint (fully_reshardable) resumed colocated, whose own saves are dp_reshardable: the load still
-    gathers each rank's float32 optimizer state, which eight ranks on a 1 TiB node cannot hold; the launch says so
-    instead of planning the colocated layout's own format. Fails if the preflight stops reading the checkpoint it
-    would resume, or plans it in the run's format."""
+def fully_reshardable_checkpoint(run_dir: Path) -> Path:
+    """``run_dir`` holding a step-20 checkpoint whose trainer state says it was saved fully_reshardable."""
     from r3rl import checkpoint as ckpt
 
-    run_dir = tmp_path / "run"
     folder = ckpt.begin(run_dir, 20)
     (folder / ckpt.TRAINER_DIR).mkdir()
     (folder / ckpt.TRAINER_DIR / ckpt.COMPLETE).write_text(
         '{"format": "%s", "optimizer_format": "fully_reshardable"}' % ckpt.TRAINER_FORMAT)
     ckpt.publish(run_dir, folder, ckpt.CheckpointMeta(step=20))
+    return run_dir
+
+
+def test_a_resumed_fully_reshardable_checkpoint_is_planned_as_its_load_gathers(tmp_path):
+    """A 4+4 checkpoint (fully_reshardable) resumed colocated, whose own saves are dp_reshardable: the load still
+    gathers each rank's float32 optimizer state, which eight ranks on a 1 TiB node cannot hold; the launch says so
+    instead of planning the colocated layout's own format. Fails if the preflight stops reading the checkpoint it
+    would resume, or plans it in the run's format."""
+    run_dir = fully_reshardable_checkpoint(tmp_path / "run")
     colocated = ["experiment=qwen3_30b_r3_colocated", f"run.output_dir={run_dir}"]
     with pytest.raises(ConfigError) as info:
         compose(colocated)
@@ -297,16 +303,10 @@ def test_the_dry_run_of_a_cross_format_resume_shows_the_load_of_the_format_it_re
     resumes."""
     import yaml
 
-    from r3rl import checkpoint as ckpt
     from r3rl.config import compose as compose_config
     from r3rl.launch import dry_run
 
-    run_dir = tmp_path / "run"
-    folder = ckpt.begin(run_dir, 20)
-    (folder / ckpt.TRAINER_DIR).mkdir()
-    (folder / ckpt.TRAINER_DIR / ckpt.COMPLETE).write_text(
-        '{"format": "%s", "optimizer_format": "fully_reshardable"}' % ckpt.TRAINER_FORMAT)
-    ckpt.publish(run_dir, folder, ckpt.CheckpointMeta(step=20))
+    run_dir = fully_reshardable_checkpoint(tmp_path / "run")
     overrides = ["experiment=qwen3_30b_r3_4p4", f"run.output_dir={run_dir}", "run.dry_run=true"]
     with pytest.raises(ConfigError) as info:
         compose(overrides)
