@@ -374,8 +374,8 @@ class GRPORecipe(common.Recipe):
         client = self.client
         if self.in_flight:
             client = RolloutClient.from_config(cfg, self.engines.urls)
+            self.live_clients.append(client)  # first: a sync from now on reaches it
             client.serve_version(self.engine_version or 0)
-            self.live_clients.append(client)
         try:
             samples = asyncio.run(client.generate(
                 [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, sampling,
