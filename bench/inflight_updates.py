@@ -1,0 +1,163 @@
+"""Weight updates in flight against in turn and one step ahead: the same recipe, seeds and steps in three modes, side
+by side in one invocation, one run after the other on the same machine.
+
+    python bench/inflight_updates.py [--steps 10] [--out outputs/inflight] [overrides ...]
+
+Modes: in turn (``algorithm.max_staleness=0``), one step ahead (``=1``, ``algorithm.weight_update=between_batches``)
+and in flight (``=1``, ``in_flight``), all with ``correction=tis`` and R3. The default recipe answers in at most 16
+tokens on the CPU; the bench lets responses run to ``rollout.sampling.max_tokens=128`` so that most end early and a
+few run long (the length mean and max are printed). Step 1 is left out of the rates (an overlapped run generates its
+first batch alone). Printed per mode: trained samples per second (as a ratio to in turn), the engine's idle share
+during the steps (``/metrics``: no request running or waiting, polled every 0.1 s), staleness per token, the share
+of samples spanning two versions, the mismatch with and without replay over the tokens of the current and of older
+weight versions, and the held-out gain (eval at step 0 and the last step, paired over prompts, clustered by problem).
+Last line: ``inflight: samples/s in-flight / one-step-ahead <r>; older-version tokens replay/no-replay <q>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ lives at the repository root
+
+from r3rl import metrics as M  # noqa: E402
+
+MODES = {"in turn": ["algorithm.max_staleness=0"],
+         "one step ahead": ["algorithm.max_staleness=1", "algorithm.weight_update=between_batches"],
+         "in flight": ["algorithm.max_staleness=1", "algorithm.weight_update=in_flight"]}
+LONG_TAIL = ["rollout.sampling.max_tokens=128"]
+
+
+class IdleMeter:
+    """Polls an engine's ``/metrics`` in a thread: (time, idle) samples, idle meaning no request running or waiting."""
+
+    def __init__(self, url: str, every_s: float = 0.1):
+        self.url, self.every_s, self.samples = url, every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.wait(self.every_s):
+                try:
+                    text = client.get(f"{self.url}/metrics").text
+                except httpx.HTTPError:
+                    continue
+                busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+                self.samples.append((time.monotonic(), busy == 0))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def idle_share(self, windows: list[tuple[float, float]]) -> float:
+        inside = [idle for t, idle in self.samples if any(a <= t <= b for a, b in windows)]
+        return sum(inside) / len(inside) if inside else math.nan
+
+
+def run(label: str, steps: int, out_dir: Path, overrides: list[str]) -> dict:
+    from r3rl.config import compose
+    from recipes import warm_start
+    from recipes.grpo import GRPORecipe
+
+    cfg = compose(["parallelism=cpu", "rollout=vllm_r3", "correction=tis", f"run.num_steps={steps}",
+                   f"run.output_dir={out_dir}", "run.save_every=1000", f"run.eval_every={steps}",
+                   "logger.wandb.mode=disabled", *LONG_TAIL, *MODES[label], *overrides])
+    recipe = GRPORecipe(warm_start.ensure(cfg))
+    windows: list[tuple[float, float]] = []
+    step_fn = recipe.train_step
+
+    def timed_step(step, prompts=None):
+        start = time.monotonic()
+        step_fn(step, prompts)
+        if step > 1:
+            windows.append((start, time.monotonic()))
+
+    recipe.train_step = timed_step
+    try:
+        recipe.setup()
+        with IdleMeter(recipe.engines.urls[0]) as meter:
+            recipe.train()
+    finally:
+        recipe.cleanup()
+    rows = [r for r in recipe.history if "perf/step_time_s" in r]
+    samples_per_step = cfg.algorithm.rollout_batch_size * cfg.algorithm.n_samples_per_prompt
+    return {"rows": rows, "rate": samples_per_step * len(windows) / sum(b - a for a, b in windows),
+            "idle": meter.idle_share(windows), "gain": held_out_gain(out_dir, steps)}
+
+
+def held_out_gain(out_dir: Path, steps: int) -> tuple[float, float]:
+    from r3rl.eval.records import paired_gain
+
+    names = sorted({p.name.rsplit("-step", 1)[0] for p in (out_dir / "eval").glob("*-step*.json")})
+    if not names:
+        return math.nan, math.nan
+    gain, se, _ = paired_gain(out_dir / "eval", names[0], 0, steps)
+    return gain, se
+
+
+def mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows[1:] if key in r and not math.isnan(r[key])]
+    return statistics.fmean(values) if values else math.nan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="outputs/inflight")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be >= 3 (step 1 is left out)")
+    results = {label: run(label, args.steps, Path(args.out) / label.replace(" ", "_"), args.overrides)
+               for label in MODES}
+
+    table = Table(title=f"{args.steps} steps, rates and means over steps 2..{args.steps}")
+    table.add_column("figure")
+    for label in MODES:
+        table.add_column(label, justify="right")
+
+    def row(name: str, cell) -> None:
+        table.add_row(name, *(cell(results[label]) for label in MODES))
+
+    base = results["in turn"]["rate"]
+    row("trained samples / s, ratio to in turn", lambda r: f"{r['rate'] / base:.2f}")
+    row("engine idle share during the steps", lambda r: f"{r['idle']:.2f}")
+    row("response length mean / max", lambda r: f"{mean(r['rows'], M.RESPONSE_LENGTH_MEAN):.1f} / "
+                                                f"{max(x.get(M.RESPONSE_LENGTH_MAX, 0) for x in r['rows']):.0f}")
+    row("staleness per token (versions)", lambda r: f"{mean(r['rows'], M.STALENESS_TOKEN_MEAN):.2f}")
+    row("samples spanning two versions", lambda r: f"{mean(r['rows'], M.SPANNING_VERSIONS_SHARE):.2f}")
+    for which in ("current", "older"):
+        for key, what in ((M.LOGPROB_ABS_DIFF_VERSION_TOKENS, "replay"),
+                          (M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS, "no replay")):
+            row(f"mismatch, {which}-version tokens, {what}",
+                lambda r, k=key.format(which=which): f"{mean(r['rows'], k):.3g}")
+    row("mismatch, all tokens, replay / no replay", lambda r: f"{mean(r['rows'], M.LOGPROB_ABS_DIFF):.3g} / "
+                                                          f"{mean(r['rows'], M.LOGPROB_ABS_DIFF_NO_REPLAY):.3g}")
+    row("held-out gain +- se (clustered by problem)", lambda r: f"{r['gain'][0]:+.3f} +- {r['gain'][1]:.3f}")
+    Console(width=160).print(table)
+    flight, ahead = results["in flight"], results["one step ahead"]
+    older = M.LOGPROB_ABS_DIFF_VERSION_TOKENS.format(which="older")
+    older_no = M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS.format(which="older")
+    q = mean(flight["rows"], older) / mean(flight["rows"], older_no)
+    print(f"inflight: samples/s in-flight / one-step-ahead {flight['rate'] / ahead['rate']:.2f}; "
+          f"older-version tokens replay/no-replay {q:.2f}")
+
+
+if __name__ == "__main__":
+    main()
