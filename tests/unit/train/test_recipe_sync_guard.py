@@ -1,4 +1,5 @@
-"""A weight sync never starts while a batch generated ahead of the trainer is still in flight."""
+"""A weight sync between batches never starts while a batch generated ahead of the trainer is still in flight; an
+in-flight one (``algorithm.weight_update=in_flight``) does, and reaches every client still generating."""
 
 from __future__ import annotations
 
@@ -10,13 +11,29 @@ from recipes import common
 from recipes.grpo import GRPORecipe
 
 
+class Client:
+    def __init__(self):
+        self.versions = []
+
+    def serve_version(self, version):
+        self.versions.append(version)
+
+
+def bare_recipe(monkeypatch, synced: list, *, in_flight: bool) -> GRPORecipe:
+    monkeypatch.setattr(common.Recipe, "sync_weights",
+                        lambda self, version, in_flight=False: synced.append((version, in_flight)))
+    recipe = GRPORecipe.__new__(GRPORecipe)  # only the attributes the guard reads: no engine, no trainer
+    recipe.in_flight = in_flight
+    recipe.client, recipe.live_clients = Client(), [Client()]
+    return recipe
+
+
 def test_a_sync_while_the_batch_ahead_generates_is_refused_and_one_after_it_goes_through(monkeypatch):
     """The guard runs before anything touches an engine. Fails if ``GRPORecipe.sync_weights`` lost its check (a
     sync during generation would label tokens of two weight versions as one), or if it refused a sync once the
     batch ahead is done (the in-turn path and ``before_eval`` sync then)."""
     synced = []
-    monkeypatch.setattr(common.Recipe, "sync_weights", lambda self, version: synced.append(version))
-    recipe = GRPORecipe.__new__(GRPORecipe)  # only the attribute the guard reads: no engine, no trainer
+    recipe = bare_recipe(monkeypatch, synced, in_flight=False)
     running: Future = Future()
     recipe.ahead = (5, [], running, {})
     with pytest.raises(RuntimeError, match="batch of step 5 is still generating"):
@@ -26,4 +43,17 @@ def test_a_sync_while_the_batch_ahead_generates_is_refused_and_one_after_it_goes
     recipe.sync_weights(version=4)
     recipe.ahead = None
     recipe.sync_weights(version=5)
-    assert synced == [4, 5]
+    assert synced == [(4, False), (5, False)]
+    assert recipe.client.versions == [] and recipe.live_clients[0].versions == []  # no salts between batches
+
+
+def test_an_in_flight_sync_goes_under_the_batch_ahead_and_every_live_client_takes_the_version(monkeypatch):
+    """Fails if the in-flight sync were refused while the batch generates (the mode would wait as between batches),
+    or if a client still generating kept the old version (its later requests would reuse older prefix blocks
+    uncounted)."""
+    synced = []
+    recipe = bare_recipe(monkeypatch, synced, in_flight=True)
+    recipe.ahead = (5, [], Future(), {})
+    recipe.sync_weights(version=4, in_flight=True)
+    assert synced == [(4, True)]
+    assert recipe.client.versions == [4] and recipe.live_clients[0].versions == [4]
