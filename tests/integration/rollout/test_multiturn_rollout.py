@@ -102,6 +102,35 @@ def test_without_prefix_omission_the_same_rows_come_at_full_cost(r3_client_facto
         assert info.route_rows_received == info.route_rows_full > a.extra["episode"].route_rows_received
 
 
+def test_a_held_row_that_a_later_turn_sends_again_otherwise_is_kept(r3_client_factory, tokenizer, monkeypatch):
+    """The earliest forward wins, made visible. On this float32 engine a later turn's prefill routes every held row
+    as the earlier forward did, so keeping the held rows and overwriting them look alike. Here the first turn's rows
+    are perturbed as they arrive (a fault injected into the client's answer, standing in for a forward whose routes
+    a later prefill does not reproduce, as bf16 prefill and decode kernels can); without prefix omission every later
+    turn sends all rows again, unperturbed. The stitched episode keeps the perturbed rows. Fails if a later turn's
+    rows replace the held ones (verl #6054's overwrite), or if the rows kept are not the first turn's."""
+    client = r3_client_factory()
+    turn = type(client).turn
+    perturbed: dict[int, np.ndarray] = {}
+
+    async def first_turn_perturbed(self, *args, **kwargs):
+        sample = await turn(self, *args, **kwargs)
+        if kwargs["routes_from"] == 0 and kwargs["index"] not in perturbed and sample.routed_experts is not None:
+            e = self.spec.num_experts
+            rows = sample.routed_experts.copy()
+            rows[::7, 0] = (rows[::7, 0] + 1) % e  # every 7th row, layer 0: still distinct and in range
+            rows[::7, 0] = np.where(rows[::7, 0] == rows[::7, 1], (rows[::7, 0] + 1) % e, rows[::7, 0])
+            sample.routed_experts = perturbed[kwargs["index"]] = rows
+        return sample
+
+    monkeypatch.setattr(type(client), "turn", first_turn_perturbed)
+    episodes = run_episodes(client, tokenizer, max_context=512, n=1, omission=False)
+    for s in episodes:
+        first = perturbed[s.index]
+        assert s.extra["episode"].turns == 3 and s.extra["episode"].route_rows_received > s.num_tokens - 1
+        np.testing.assert_array_equal(s.routed_experts[:len(first)], first)
+
+
 def test_context_budget_ends_an_episode_as_truncated(r3_client_factory, tokenizer):
     """Fails if an observation were appended past env.max_context_tokens (the next turn would exceed the budget)
     or the cut went uncounted."""
