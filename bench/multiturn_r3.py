@@ -1,5 +1,6 @@
 """Multi-turn R3: per turn, the train-rollout mismatch with and without replay, with the stitching rule and with a
-deliberately wrong one; and the route bytes per episode with and without prefix omission.
+deliberately wrong one; the held route rows later prefills recomputed and how many changed experts; and the route
+bytes per episode with and without prefix omission.
 
 Runs the default recipe with ``env=reflect`` (every episode 2 policy turns: answer, then answer again when asked to
 check) twice, the second with ``debug.wrong_stitching=true`` (the rows of turn 2 one row off), and reads both runs'
@@ -86,7 +87,12 @@ def main() -> None:
     got = mean_se([r.get(M.ROUTE_BYTES_PER_EPISODE) for r in history])
     full = mean_se([r.get(M.ROUTE_BYTES_PER_EPISODE) for r in without])
     turns_mean = mean_se([r.get(M.TURNS_MEAN) for r in history])
-    print(f"\nroute bytes received per episode: {got[0]:.0f} with routed_experts_prompt_start, {full[0]:.0f} "
+    rows, checked, changed = (sum(r.get(k, 0.0) for r in history) for k in
+                              (M.RECOMPUTED_ROWS, M.RECOMPUTED_ROWS_CHECKED, M.RECOMPUTED_ROWS_CHANGED))
+    print(f"\nroute provenance (earliest forward wins): later turns' prefills recomputed {rows:.0f} held rows over "
+          f"{len(history)} steps, {checked:.0f} of them sent again and compared, {changed:.0f} with another expert set "
+          f"in some layer ({changed / checked if checked else math.nan:.3f} of those compared)")
+    print(f"route bytes received per episode: {got[0]:.0f} with routed_experts_prompt_start, {full[0]:.0f} "
           f"without ({got[0] / full[0]:.2f}x); {turns_mean[0]:.2f} turns per episode")
 
     def requests_per_s(rows: list[dict]) -> list[float]:

@@ -183,6 +183,13 @@ EPISODES_MASKED = "rollout/episodes_masked"
 # what asking for the whole context every turn would have sent
 ROUTE_BYTES_PER_EPISODE = "rollout/route_bytes_per_episode"
 ROUTE_BYTES_PER_EPISODE_FULL = "rollout/route_bytes_per_episode_full"
+# route provenance (r3rl.env.stitch, "the earliest forward wins"), summed over the step's episodes: held route rows a
+# later turn's prefill computed again (past the prefix cache's hits), how many of those the turn sent back to compare
+# (env.route_overlap_rows), and how many of the compared ones came back with another expert set in some layer; the
+# held row is replayed either way (absent when the engine does not report its prefix-cache hits)
+RECOMPUTED_ROWS = "r3/recomputed_rows"
+RECOMPUTED_ROWS_CHECKED = "r3/recomputed_rows_checked"
+RECOMPUTED_ROWS_CHANGED = "r3/recomputed_rows_experts_changed"
 # train/logprob_abs_diff (and its unreplayed twin) over the policy tokens of turn t only (observations never count)
 LOGPROB_ABS_DIFF_TURN = "train/logprob_abs_diff/turn_{turn}"
 LOGPROB_ABS_DIFF_NO_REPLAY_TURN = "train/logprob_abs_diff_no_replay/turn_{turn}"
@@ -274,6 +281,12 @@ def episode_metrics(episodes: Sequence, route_row_bytes: int = 0) -> dict[str, f
     if route_row_bytes:
         out[ROUTE_BYTES_PER_EPISODE] = float(np.mean([e.route_rows_received for e in episodes])) * route_row_bytes
         out[ROUTE_BYTES_PER_EPISODE_FULL] = float(np.mean([e.route_rows_full for e in episodes])) * route_row_bytes
+    known = [e.recomputed for e in episodes if e.recomputed is not None]
+    if known:
+        total = sum(known[1:], known[0])
+        out[RECOMPUTED_ROWS] = float(total.rows)
+        out[RECOMPUTED_ROWS_CHECKED] = float(total.checked)
+        out[RECOMPUTED_ROWS_CHANGED] = float(total.changed)
     return out
 
 

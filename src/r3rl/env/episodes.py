@@ -24,7 +24,7 @@ import numpy as np
 
 from r3rl.config.schema import SamplingConfig
 from r3rl.env.base import Environment, Turn
-from r3rl.env.stitch import EpisodeStats, TurnRecord, episode_sample, route_start
+from r3rl.env.stitch import EpisodeStats, Recomputed, TurnRecord, episode_sample, recomputed_rows, route_start
 from r3rl.rollout.client import RolloutClient, all_or_cancel, rollout_bar
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RoutedExpertsError
@@ -44,13 +44,15 @@ class EpisodeSettings:
     observation_template: str
     max_tokens_per_turn: int | None = None  # None: the sampling config's max_tokens
     route_prefix_omission: bool = True  # False: every turn asks for the whole context's routes
+    route_overlap_rows: int = 0  # held rows each later turn asks for again, to measure recomputed rows
 
     @classmethod
     def of(cls, cfg) -> EpisodeSettings:
         """From a validated run config: its ``env`` keys, the context budget defaulting to the engine's."""
         env = cfg.env
         return cls(env.max_turns, env.max_context_tokens or cfg.rollout.engine.max_model_len, env.tool_timeout_s,
-                   env.observation_template, env.max_tokens_per_turn, env.route_prefix_omission)
+                   env.observation_template, env.max_tokens_per_turn, env.route_prefix_omission,
+                   env.route_overlap_rows)
 
 
 @dataclass(frozen=True)
@@ -109,10 +111,11 @@ class EpisodeRunner:
         truncated = False
         reward = None
         rows_full = received = 0
+        recomputed = Recomputed()  # None once a turn's prefix-cache hits are unknown
         masked = ""
         for t in range(1, cfg.max_turns + 1):
             budget = min(cfg.max_tokens_per_turn or sampling.max_tokens, cfg.max_context_tokens - len(context))
-            start = route_start(held) if cfg.route_prefix_omission else 0
+            start = route_start(held, cfg.route_overlap_rows) if cfg.route_prefix_omission else 0
             seed = sample_seed(sampling.seed, step, index) + t * _TURN_SEED_STRIDE
             sample, failure = None, ""
             for attempt in range(2):  # a turn the engine aborted, or sent without all its routes, goes once more
@@ -139,6 +142,11 @@ class EpisodeRunner:
                 break
             if sample.routed_experts is not None:
                 received += len(sample.routed_experts)
+                if held and recomputed is not None:
+                    cached = sample.extra.get("cached_tokens")
+                    recomputed = None if cached is None else recomputed + recomputed_rows(
+                        np.concatenate([r.sample.routed_experts for r in turns]), sample.routed_experts,
+                        start=start, cached_tokens=cached)
                 # rows asked for again (no prefix omission): the held ones stay as their turn returned them
                 sample.routed_experts = sample.routed_experts[held - start:]
             record = TurnRecord(context_len=len(context), routes_from=held, sample=sample)
@@ -163,7 +171,7 @@ class EpisodeRunner:
             observed += len(obs)
         stats = EpisodeStats(turns=len(turns), tool_calls=calls, tool_errors=errors, observation_tokens=observed,
                              context_truncated=truncated, route_rows_received=received, route_rows_full=rows_full,
-                             masked=masked)
+                             recomputed=recomputed if received else None, masked=masked)
         return episode_sample(turns, index=index, group=group, label=prompt.label, reward=reward, stats=stats)
 
     async def _step(self, episode, text: str, tools, *, index: int, turn: int) -> Turn:

@@ -5,14 +5,20 @@ An episode's tokens are ``prompt + r1 + o1 + r2 + o2 + ... + rN``: the policy's 
 the experts token ``i`` was sent to in the forward that computed its KV, which every later token attended to; the
 last token of a sequence is sampled, never forwarded, so an episode of ``T`` tokens has ``T - 1`` rows.
 
-The rule (``route_start``): turn ``t`` asks the engine for the rows from the number it holds already,
-``H = len(context_{t-1}) + len(r_{t-1}) - 1``: one row before the new prompt part.
-Row ``H`` is ``r_{t-1}``'s last token: sampled at turn ``t-1``'s last decode step and forwarded for the first time
-in turn ``t``'s prefill, so turn ``t`` is the only source of its row. Rows before ``H`` are never asked again: they
-stay as the turn that produced them returned them. For the rows turn ``t`` does return, vLLM's route store decides:
-a KV block that was full and prefix-cached comes back with the routes of the forward that computed it (an earlier
-turn's), rows recomputed in this prefill (the observation, and the partially filled last block of the context) with
-this forward's. Every weight update resets the prefix cache, and an episode's turns run under one weight version.
+The rule, **the earliest forward wins**: turn ``t`` holds the rows ``0 .. H-1``, ``H = len(context_{t-1}) +
+len(r_{t-1}) - 1``, each from the forward that first computed that position's KV, and keeps them whatever a later
+forward says. Row ``H`` is ``r_{t-1}``'s last token: sampled at turn ``t-1``'s last decode step and forwarded for the
+first time in turn ``t``'s prefill, so turn ``t`` is the only source of its row. For the rows after it, vLLM's route
+store decides: a KV block that was full and prefix-cached comes back with the routes of the forward that computed it,
+rows computed in this prefill (the observation) with this forward's.
+
+Turn ``t``'s prefill also recomputes held rows: every position after the last prefix-cache hit (the partially filled
+last block of the context, and any block evicted since turn ``t-1``). Their new KV is what turn ``t``'s tokens
+attended to, but one training forward holds one route per position, and the held row is the one every earlier token
+of the episode was sampled beside: it stays. How often the two differ is measured, not assumed (``recomputed_rows``):
+a turn asks for ``route_overlap_rows`` rows before ``H`` (``route_start``) and compares the recomputed ones among them
+with the held rows; the engine's usage (``cached_tokens``) says where the recomputation began. Every weight update
+resets the prefix cache, and an episode's turns run under one weight version.
 
 The deliberate fault ``shift_turn_rows`` (the row boundary one off for every turn after the first) exists so that a
 test and ``bench/multiturn_r3.py`` can show the per-turn measurement catches a wrong rule.
@@ -32,9 +38,37 @@ class StitchError(ValueError):
     """Turns whose token or route bookkeeping does not add up; names the sample and the turn."""
 
 
-def route_start(held_rows: int) -> int:
-    """The first route row a turn asks for, given the rows the episode holds already (0 for the first turn)."""
-    return held_rows
+def route_start(held_rows: int, overlap_rows: int = 0) -> int:
+    """The first route row a turn asks for, given the rows the episode holds already (0 for the first turn):
+    ``overlap_rows`` of the held ones again, to measure how a recomputing prefill would have routed them."""
+    return max(0, held_rows - overlap_rows)
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """Held rows a later prefill computed again: ``rows`` in all, ``checked`` of them compared with the held rows
+    (the ones the turn asked for again), ``changed`` of those with another expert set in some layer."""
+
+    rows: int = 0
+    checked: int = 0
+    changed: int = 0
+
+    def __add__(self, other: Recomputed) -> Recomputed:
+        return Recomputed(self.rows + other.rows, self.checked + other.checked, self.changed + other.changed)
+
+
+def recomputed_rows(held: np.ndarray, returned: np.ndarray, *, start: int, cached_tokens: int) -> Recomputed:
+    """The held rows ``held`` (``[H, L, K]``) that a turn's prefill recomputed (positions ``cached_tokens .. H-1``,
+    the prefix cache having served the ones before), compared with that turn's ``returned`` rows (``[R, L, K]``, row
+    ``start`` first) where it sent them again; an expert set compares as a set (the order of top-k is not routing)."""
+    h = len(held)
+    first = max(cached_tokens, start)
+    if first >= h:
+        return Recomputed(rows=max(0, h - cached_tokens))
+    new = np.sort(returned[first - start:h - start], axis=-1)
+    old = np.sort(held[first:h], axis=-1)
+    changed = int(np.any(new != old, axis=(-2, -1)).sum())
+    return Recomputed(rows=h - cached_tokens, checked=h - first, changed=changed)
 
 
 @dataclass
@@ -58,6 +92,9 @@ class EpisodeStats:
     context_truncated: bool
     route_rows_received: int  # rows the engine sent with prefix omission (routes_from)
     route_rows_full: int  # rows it would have sent had every turn asked for the whole context
+    # held rows later prefills recomputed, checked against the held ones, and changed (None: the engine did not
+    # report its prefix-cache hits)
+    recomputed: Recomputed | None = None
     # why a turn failed twice (aborted, or tokens without all their routes): the episode stops at its last complete
     # turn and trains on nothing ("": complete)
     masked: str = ""

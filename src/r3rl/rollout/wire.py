@@ -165,8 +165,22 @@ def parse_choices(body: dict[str, Any], *, url: str, first_index: int, count: in
                           f"exactly {count} choice{'s' if count > 1 else ''} indexed 0..{count - 1}, got {got}{detail}",
                           url=url)
     by_index = sorted(choices, key=lambda c: c["index"])
-    return [_sample_from_choice(c, url=url, index=first_index + j, group=group, request_id=request_id, prompt=prompt,
-                                routes=routes, label=label, routes_from=routes_from) for j, c in enumerate(by_index)]
+    samples = [_sample_from_choice(c, url=url, index=first_index + j, group=group, request_id=request_id,
+                                   prompt=prompt, routes=routes, label=label, routes_from=routes_from)
+               for j, c in enumerate(by_index)]
+    cached = cached_prompt_tokens(body)
+    for s in samples:
+        s.extra["cached_tokens"] = cached
+    return samples
+
+
+def cached_prompt_tokens(body: dict[str, Any]) -> int | None:
+    """The prompt tokens vLLM took from its prefix cache (``usage.prompt_tokens_details.cached_tokens``, sent by
+    an engine started with ``--enable-prompt-tokens-details``); ``None`` when the engine did not say."""
+    usage = body.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if type(cached) is int and cached >= 0 else None
 
 
 def _sample_from_choice(choice: dict[str, Any], *, url: str, index: int, group: int, request_id: str,

@@ -43,14 +43,15 @@ class Relay(Environment):
         return _Episode()
 
 
-def run_episodes(client, tokenizer, *, max_context: int, turns: int = 3, n: int = 2, omission: bool = True):
+def run_episodes(client, tokenizer, *, max_context: int, turns: int = 3, n: int = 2, omission: bool = True,
+                 overlap: int = 0, prompts=PROMPTS):
     runner = EpisodeRunner(client, Relay(turns), tokenizer,
                            EpisodeSettings(max_turns=turns, max_context_tokens=max_context, tool_timeout_s=10.0,
                                            observation_template="\n<|im_start|>user\n{observation}<|im_end|>\n",
-                                           route_prefix_omission=omission),
+                                           route_prefix_omission=omission, route_overlap_rows=overlap),
                            stop_token_ids=[tokenizer.eos_token_id])
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=10, seed=11)
-    prompts = [EpisodePrompt(p, "", None) for p in PROMPTS]
+    prompts = [EpisodePrompt(p, "", None) for p in prompts]
     return asyncio.run(runner.run(prompts, n, sampling, step=4))
 
 
@@ -65,8 +66,11 @@ def test_stitched_episode_equals_transformers_on_every_row_and_policy_token(r3_c
                                                                              tokenizer):
     """Fails if a turn's routes were asked from the wrong row (a dropped boundary row shifts every later row and the
     row count check refuses it), if a later turn's routes were taken from the wrong forward, if observation tokens
-    were trainable, or if prefix omission stopped cutting the routes sent."""
-    episodes = run_episodes(r3_client_factory(), tokenizer, max_context=512)
+    were trainable, or if prefix omission stopped cutting the routes sent. Each later turn also asks for the last
+    block's held rows again (``route_overlap_rows`` = the CPU block size): the prefill recomputes them, the counter
+    sees every one of them, and on this float32 engine none changed experts (fails if the recomputed rows were
+    counted from the wrong end of the cache hits, or compared one row off)."""
+    episodes = run_episodes(r3_client_factory(), tokenizer, max_context=512, overlap=128)
     assert [s.group for s in episodes] == [0, 0, 1, 1]
     for s in episodes:
         info, turn_of = s.extra["episode"], s.extra["turn_of_token"]
@@ -80,8 +84,10 @@ def test_stitched_episode_equals_transformers_on_every_row_and_policy_token(r3_c
         np.testing.assert_array_equal(policy, turn_of > 0)
         diff = np.abs(s.rollout_logprobs - lp[len(s.prompt_ids) - 1:])[policy]
         assert diff.max() < 1e-4, f"sample {s.index}: policy log-probs differ by {diff.max():.2e}"
-        # every turn after the first asked for fewer rows than the whole context
-        assert info.route_rows_received == s.num_tokens - 1 < info.route_rows_full
+        # the 140-token prompt's later turns asked for fewer rows than the whole context, the overlap included
+        assert info.route_rows_received < info.route_rows_full or len(s.prompt_ids) < 128
+        redone = info.recomputed
+        assert redone is not None and redone.rows > 0 and redone.checked == redone.rows and redone.changed == 0
         # the deliberately wrong rule: turn >= 2's rows one off, which transformers disagrees with
         wrong = np.sort(shift_turn_rows(s.routed_experts, turn_of, len(s.prompt_ids)).astype(np.int64), axis=-1)
         later = len(s.prompt_ids) + int((turn_of == 1).sum())
@@ -100,6 +106,41 @@ def test_without_prefix_omission_the_same_rows_come_at_full_cost(r3_client_facto
         np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
         info = b.extra["episode"]
         assert info.route_rows_received == info.route_rows_full > a.extra["episode"].route_rows_received
+        assert a.extra["episode"].route_rows_received == a.num_tokens - 1  # no overlap: every row sent once
+
+
+def test_rows_the_route_store_serves_past_the_held_ones_are_the_earlier_forwards(r3_client_factory,
+                                                                                hf_reference, tokenizer,
+                                                                                monkeypatch):
+    """A store read forced: the same episode twice (same seeds, same tokens). The second time, turn 2's context is
+    in vLLM's prefix cache past the rows the episode holds (the first run's turn 2 computed those blocks), so the
+    rows from ``H`` to the cache hits come from the route store, written by another request's forward, not from this
+    prefill. They still equal transformers on the whole episode and the first run's rows. Fails if the store served a
+    block's rows one slot off, or the rows of another request, or if r3rl took the cached rows from the wrong end."""
+    client = r3_client_factory()
+    turn = type(client).turn
+    seen: list[tuple[int, int, int | None]] = []  # (routes_from, context length, cached prompt tokens) per turn
+
+    async def noted(self, sessions, url, context, *args, **kwargs):
+        sample = await turn(self, sessions, url, context, *args, **kwargs)
+        seen.append((kwargs["routes_from"], len(context), sample.extra["cached_tokens"]))
+        return sample
+
+    monkeypatch.setattr(type(client), "turn", noted)
+    # 244 tokens: turn 1 (<= 10 tokens) ends before 256, turn 2's context and response cross it
+    prompts = [np.random.default_rng(6).integers(10, 1000, size=244).tolist()]
+    first = run_episodes(client, tokenizer, max_context=512, n=1, prompts=prompts)[0]
+    cold = list(seen)
+    seen.clear()
+    again = run_episodes(client, tokenizer, max_context=512, n=1, prompts=prompts)[0]
+    np.testing.assert_array_equal(again.tokens, first.tokens)
+    held, _, cached = seen[1]
+    assert cached is not None and cached > held >= cold[1][2], (cold, seen)  # rows held..cached-1 from the store
+    np.testing.assert_array_equal(again.routed_experts, first.routed_experts)
+    _, sets = hf_reference.run(again.tokens)
+    routes = np.sort(again.routed_experts.astype(np.int64), axis=-1)
+    agree = np.all(routes == sets[:len(routes)], axis=-1).all(-1)
+    assert agree.all(), f"rows {np.flatnonzero(~agree)[:5]} disagree with transformers"
 
 
 def test_a_held_row_that_a_later_turn_sends_again_otherwise_is_kept(r3_client_factory, tokenizer, monkeypatch):
@@ -107,19 +148,26 @@ def test_a_held_row_that_a_later_turn_sends_again_otherwise_is_kept(r3_client_fa
     as the earlier forward did, so keeping the held rows and overwriting them look alike. Here the first turn's rows
     are perturbed as they arrive (a fault injected into the client's answer, standing in for a forward whose routes
     a later prefill does not reproduce, as bf16 prefill and decode kernels can); without prefix omission every later
-    turn sends all rows again, unperturbed. The stitched episode keeps the perturbed rows. Fails if a later turn's
-    rows replace the held ones (verl #6054's overwrite), or if the rows kept are not the first turn's."""
+    turn sends all rows again, unperturbed. The stitched episode keeps the perturbed rows, and the provenance counter
+    finds exactly the perturbed rows the later prefills recomputed (past their prefix-cache hits). Fails if a later
+    turn's rows replace the held ones (verl #6054's overwrite), if the rows kept are not the first turn's, or if the
+    counter compared rows the cache served or missed a changed one."""
     client = r3_client_factory()
     turn = type(client).turn
     perturbed: dict[int, np.ndarray] = {}
+    changed: dict[int, np.ndarray] = {}  # per sample, the positions whose rows the fault moved
+    cached: dict[int, list[int]] = {}  # per sample, each later turn's prefix-cache hits
 
     async def first_turn_perturbed(self, *args, **kwargs):
         sample = await turn(self, *args, **kwargs)
-        if kwargs["routes_from"] == 0 and kwargs["index"] not in perturbed and sample.routed_experts is not None:
+        if kwargs["index"] in perturbed:
+            cached.setdefault(kwargs["index"], []).append(sample.extra["cached_tokens"])
+        elif sample.routed_experts is not None:
             e = self.spec.num_experts
             rows = sample.routed_experts.copy()
             rows[::7, 0] = (rows[::7, 0] + 1) % e  # every 7th row, layer 0: still distinct and in range
             rows[::7, 0] = np.where(rows[::7, 0] == rows[::7, 1], (rows[::7, 0] + 1) % e, rows[::7, 0])
+            changed[kwargs["index"]] = np.flatnonzero(np.any(rows != sample.routed_experts, axis=(1, 2)))
             sample.routed_experts = perturbed[kwargs["index"]] = rows
         return sample
 
@@ -129,6 +177,8 @@ def test_a_held_row_that_a_later_turn_sends_again_otherwise_is_kept(r3_client_fa
         first = perturbed[s.index]
         assert s.extra["episode"].turns == 3 and s.extra["episode"].route_rows_received > s.num_tokens - 1
         np.testing.assert_array_equal(s.routed_experts[:len(first)], first)
+        want = sum(int((changed[s.index] >= c).sum()) for c in cached[s.index])
+        assert want > 0 and s.extra["episode"].recomputed.changed == want, (cached, s.extra["episode"].recomputed)
 
 
 def test_context_budget_ends_an_episode_as_truncated(r3_client_factory, tokenizer):

@@ -4,10 +4,13 @@ token; observations carry loss mask 0 and no log-prob; bookkeeping that does not
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from r3rl.env.stitch import EpisodeStats, StitchError, TurnRecord, episode_sample, route_start, shift_turn_rows
+from r3rl.env.stitch import (EpisodeStats, Recomputed, StitchError, TurnRecord, episode_sample, recomputed_rows,
+                             route_start, shift_turn_rows)
 from r3rl.metrics import episode_metrics, per_turn_mismatch
 from r3rl.sample import Sample, SampleStatus
 
@@ -117,6 +120,30 @@ def test_per_turn_mismatch_and_episode_counters():
     m = episode_metrics([stats(3), stats(1)], route_row_bytes=6)
     assert m["rollout/turns_mean"] == 2.0 and m["rollout/tool_errors"] == 2.0
     assert m["rollout/route_bytes_per_episode"] == 60.0 and m["rollout/route_bytes_per_episode_full"] == 180.0
+
+
+def test_recomputed_rows_are_counted_from_the_cache_hits_and_compared_where_sent_again():
+    """A turn asked from row ``route_start(H, overlap)`` and the engine served ``cached`` prompt tokens from its
+    prefix cache: held rows ``cached .. H-1`` were recomputed, the ones at or after the start compared. Fails if the
+    returned rows were read one off (the row of position p taken for p-1), if the top-k order counted as a change,
+    if rows the cache served were counted, or if an episode without the engine's figure entered the step's sums."""
+    held = truth(40)
+    assert route_start(40, 16) == 24 and route_start(10, 16) == 0 and route_start(40) == 40
+    returned = truth(45)[24:].copy()  # the turn sent rows 24..44 back: 24..39 are held ones again
+    returned[:, 1] = returned[:, 1, ::-1]  # another top-k order in layer 1: the same routing
+    assert recomputed_rows(held, returned, start=24, cached_tokens=32) == Recomputed(rows=8, checked=8, changed=0)
+    returned[36 - 24, 2, 0] = 99  # position 36's experts changed in the recomputation
+    returned[30 - 24, 0, 0] = 99  # position 30 came from the cache: its row is the held one whatever came back
+    assert recomputed_rows(held, returned, start=24, cached_tokens=32) == Recomputed(rows=8, checked=8, changed=1)
+    # recomputation from row 16 on, before the rows sent again: 8 recomputed rows were not compared
+    assert recomputed_rows(held, returned, start=24, cached_tokens=16) == Recomputed(rows=24, checked=16, changed=2)
+    # nothing sent again (overlap 0): counted, never compared
+    assert recomputed_rows(held, truth(45)[40:], start=40, cached_tokens=32) == Recomputed(rows=8)
+    m = episode_metrics([replace(stats(), recomputed=Recomputed(8, 8, 1)), replace(stats(), recomputed=None),
+                         replace(stats(), recomputed=Recomputed(4, 2, 0))])
+    assert (m["r3/recomputed_rows"], m["r3/recomputed_rows_checked"], m["r3/recomputed_rows_experts_changed"]) == \
+        (12.0, 10.0, 1.0)
+    assert "r3/recomputed_rows" not in episode_metrics([stats()])
 
 
 def test_an_episode_under_two_weight_versions_is_refused():

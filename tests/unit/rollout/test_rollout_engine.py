@@ -21,7 +21,7 @@ def test_r3_engine_argv_has_what_routed_experts_need(compose_cfg):
     (engine,) = plan.engines
     argv = list(engine.argv)
     for flag in ("--enable-return-routed-experts", "--enable-scale-out", "--enable-prefix-caching",
-                 "--no-async-scheduling"):
+                 "--no-async-scheduling", "--enable-prompt-tokens-details"):
         assert flag in argv
     assert argv[argv.index("--worker-extension-cls") + 1] == "r3rl.sync.worker_extension.R3RLWorkerExtension"
     assert engine.env["VLLM_SERVER_DEV_MODE"] == "1"

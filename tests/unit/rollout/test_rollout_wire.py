@@ -162,7 +162,9 @@ def test_raw_body_that_is_not_a_json_object_is_an_engine_error():
 def test_one_request_for_a_prompts_samples_maps_choice_j_to_sample_first_plus_j():
     """A request for n samples (vLLM's ``n``) answers n choices, maybe out of order. Fails if choice j stopped
     becoming sample first + j (samples swapped between seeds), if a missing or repeated choice index passed, or if
-    request_body dropped ``n`` or sent it for one sample."""
+    request_body dropped ``n`` or sent it for one sample, or if the prefix-cache hits the engine reports
+    (``usage.prompt_tokens_details.cached_tokens``, what r3rl.env.stitch.recomputed_rows needs) were not on every
+    sample of the request."""
     sampling = SamplingConfig(max_tokens=9, seed=100)
     assert request_body("r", [1], sampling, 5, n=4)["sampling_params"]["n"] == 4
     assert "n" not in request_body("r", [1], sampling, 5)["sampling_params"]
@@ -176,6 +178,9 @@ def test_one_request_for_a_prompts_samples_maps_choice_j_to_sample_first_plus_j(
     assert [s.response_ids.tolist() for s in samples] == [[5, 6], [7], [8, 9, 10]]
     assert [s.status for s in samples] == [SampleStatus.TRUNCATED, SampleStatus.ABORTED, SampleStatus.TRUNCATED]
     assert samples[2].routed_experts.shape == (len(PROMPT) + 3 - 1, 2, 2)
+    assert [s.extra["cached_tokens"] for s in samples] == [None] * 3  # the engine did not say
+    usage = {"usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}}
+    assert [s.extra["cached_tokens"] for s in parse_choices({"choices": choices, **usage}, **kwargs)] == [2] * 3
     with pytest.raises(EngineError, match=r"samples 8-10 \(request rid-8x3\): expected exactly 3 choices .*got 2$"):
         parse_choices({"choices": choices[:2]}, **kwargs)
     with pytest.raises(EngineError, match=r"samples 8-10 .*got 3 with indices \[0, 1, 1\]"):
