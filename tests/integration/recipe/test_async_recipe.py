@@ -42,8 +42,11 @@ def trained_prompts(rollouts) -> list[list[tuple[int, ...]]]:
     return out
 
 
-def test_one_step_off_policy_run_with_sigterm_and_resume(tmp_path, tiny_model_dir):
-    """4 steps at max_staleness 1 with R3, eval at 0, 2 and 4, SIGTERM after a checkpoint, then resume.
+@pytest.mark.parametrize("weight_update", ["between_batches", "in_flight"])
+def test_one_step_off_policy_run_with_sigterm_and_resume(tmp_path, tiny_model_dir, weight_update):
+    """4 steps at max_staleness 1 with R3, eval at 0, 2 and 4, SIGTERM after a checkpoint, then resume; with
+    ``in_flight`` the step's weight update goes to the engines under the batch ahead, and the signal lands with
+    that batch generating: it must be regenerated after the resume, not lost and not kept half-labelled.
 
     Fails if: a batch generated ahead were lost or trained twice across the resume (the checkpoint's data state
     must be from before its prompts were drawn); a sample's staleness were not what the schedule gives (0 on a
@@ -52,6 +55,7 @@ def test_one_step_off_policy_run_with_sigterm_and_resume(tmp_path, tiny_model_di
     (the evaluator checks the version the engines served); or R3 stopped replaying the engine's routes."""
     run_dir = tmp_path / "async"
     args = ("run.num_steps=4", "run.save_every=1", "run.eval_every=2", *ASYNC, "rollout=vllm_r3",
+            f"algorithm.weight_update={weight_update}",
             f"debug.save_rollout={run_dir / 'rollouts'}")
     proc = start_recipe(run_dir, *args)
     try:
