@@ -71,7 +71,8 @@ def data_problems(cfg: R3RLConfig, launching: bool = False) -> list[tuple[str, s
             return [("data.format", f"recipe=sft reads JSONL records only; {cfg.data.path} is read as {fmt} "
                                     f"(data.format={cfg.data.format})")]
         return list(sft_data_problems(cfg))
-    return list(prompt_data_problems(cfg.data, allow_missing=not launching))
+    return list(prompt_data_problems(cfg.data, allow_missing=not launching,
+                                     rollout_batch_size=cfg.algorithm.rollout_batch_size))
 
 
 def environment_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:

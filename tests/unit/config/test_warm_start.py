@@ -38,7 +38,7 @@ def test_other_data_starts_from_the_checkpoint_and_bad_settings_name_their_key(t
     """With data other than the generated task the warm start is skipped (the config is returned as it is); a batch
     the trainer cannot split is refused naming warm_start.batch_size. Fails if either check were dropped."""
     data = tmp_path / "p.jsonl"
-    data.write_text('{"prompt": "What is 1 + 1?", "label": "2"}\n')
+    data.write_text('{"prompt": "What is 1 + 1?", "label": "2"}\n' * 64)  # one step's prompts (dapo_math: 64)
     cfg = compose(["parallelism=cpu", "data=dapo_math", f"data.path={data}"])
     assert warm_start.ensure(cfg) is cfg
     with pytest.raises(ConfigError, match="warm_start.batch_size"):

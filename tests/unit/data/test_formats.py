@@ -41,6 +41,8 @@ PROBLEMS = [
 ]
 EXPECTED = [(p["prompt"], p["reward_model"]["ground_truth"]) for p in PROBLEMS]
 FORMATS = ("jsonl", "parquet", "hf_disk")
+# a step of 2 prompts: the fixtures hold 3 problems, fewer than a data config's batch (refused before launch)
+STEP = ("algorithm.rollout_batch_size=2", "algorithm.global_batch_size=8", "algorithm.n_samples_per_prompt=4")
 
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:
@@ -138,7 +140,7 @@ def test_gsm8k_config_composes_and_validates_each_format(fmt, files):
     """data=gsm8k with data.path at each fixture validates and keeps verl's keys; its prompts are what the eval sets
     are checked against. Fails if gsm8k.yaml lost label_key=reward_model.ground_truth or validation read a table as
     JSONL."""
-    cfg = compose(["parallelism=cpu", "data=gsm8k", f"data.path={files[fmt]}"])
+    cfg = compose(["parallelism=cpu", "data=gsm8k", f"data.path={files[fmt]}", *STEP])
     assert (cfg.data.format, cfg.data.prompt_key, cfg.data.label_key) == ("auto", "prompt", GT)
     assert prompt_texts(cfg.data) == {m["content"] for p, _ in EXPECTED for m in p if m["role"] == "user"}
 
@@ -146,8 +148,9 @@ def test_gsm8k_config_composes_and_validates_each_format(fmt, files):
 def test_dapo_math_and_math_configs_take_a_verl_parquet_path(files):
     """data=math reads verl's parquet as shipped; data=dapo_math with the label key set does too. Fails if either
     config refused a parquet path."""
-    assert compose(["parallelism=cpu", "data=math", f"data.path={files['parquet']}"]).data.name == "math"
-    cfg = compose(["parallelism=cpu", "data=dapo_math", f"data.path={files['parquet']}", f"data.label_key={GT}"])
+    assert compose(["parallelism=cpu", "data=math", f"data.path={files['parquet']}", *STEP]).data.name == "math"
+    cfg = compose(["parallelism=cpu", "data=dapo_math", f"data.path={files['parquet']}", f"data.label_key={GT}",
+                   *STEP])
     assert cfg.data.name == "dapo_math"
 
 
@@ -254,7 +257,7 @@ def test_an_eval_set_may_be_a_parquet_file(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="r3rl.eval.sets"):
         compose(["parallelism=cpu", "data=gsm8k", f"data.path={train}", "eval=math500",
                  f"eval.sets.math500.path={evalf}", "eval.sets.math500.sampling.top_p=1",
-                 "eval.sets.math500.sampling.max_tokens=16"])
+                 "eval.sets.math500.sampling.max_tokens=16", *STEP])
     assert "eval.sets.math500: left out 1 of its 2 problems" in caplog.text
     assert [(p, lab) for _, p, lab in read_prompt_rows(evalf, "problem", "answer")] == [
         (user, "7"), ("What is 2^10?", "1024")]

@@ -82,7 +82,9 @@ def math500_config(tmp_path, train_rows: list[dict], eval_rows: list[dict]):
     evalf.write_text("".join(json.dumps(r) + "\n" for r in eval_rows))
     return [*CPU_EVAL, "data=dapo_math", f"data.path={train}", "data.max_prompt_length=128", "eval=math500",
             f"eval.sets.math500.path={evalf}", "eval.sets.math500.sampling.top_p=1",
-            "eval.sets.math500.sampling.max_tokens=16"]
+            "eval.sets.math500.sampling.max_tokens=16",
+            # a step of 2 prompts: the file holds 2 (fewer than a step of dapo_math is refused before launch)
+            "algorithm.rollout_batch_size=2", "algorithm.global_batch_size=8", "algorithm.n_samples_per_prompt=4"]
 
 
 TRAIN = [{"prompt": "Find the sum of the roots of x^2 - 5x + 6 = 0.", "label": "5"},
