@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import io
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[OfflineRun]) -> int:
             ax.plot(steps, ys, style, color=shade, marker=".", label=f"{_short_label(run, runs)}: {key}")
             _stderr_band(ax, run, key, steps, ys, shade)
             lines += 1
-    ax.set_title(panel.title, fontsize=10)
+    ax.set_title(panel.title_for(runs), fontsize=10)
     ax.set_xlabel(panel.x)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(panel.y_label)
@@ -91,17 +92,25 @@ def headlines(runs: Sequence[OfflineRun]) -> list[str]:
     return [f"{run_label(r)}: {text}" for r in runs if (text := replay_removes_text(r.history)) is not None]
 
 
+def shown_panels(runs: Sequence[OfflineRun], panels: Sequence[Panel] = PANELS) -> list[Panel]:
+    """The panels at least one of ``runs`` logged a metric of (an empty panel says nothing about the comparison)."""
+    return [p for p in panels if p.has_data(runs)]
+
+
 def write_png(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] = PANELS) -> Path:
+    panels = shown_panels(runs, panels)
     cols = 2
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4 * rows), squeeze=False)
+    rows = max(1, math.ceil(len(panels) / cols))
+    # constrained layout makes room for the figure title above the first row (tight_layout ignores it)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4 * rows), squeeze=False, layout="constrained")
     try:
         for ax, panel in zip(axes.flat, panels):
             draw_panel(ax, panel, runs)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
-        fig.suptitle("\n".join([" vs ".join(run_label(r) for r in runs), *headlines(runs)]), fontsize=11)
-        fig.tight_layout()
+        # wrapped to the figure's width: a headline wider than the figure is cut at both edges
+        lines = [" vs ".join(run_label(r) for r in runs), *headlines(runs)]
+        fig.suptitle("\n".join(textwrap.fill(line, 11 * 7 * cols) for line in lines), fontsize=11)
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
@@ -146,8 +155,8 @@ def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] =
         parts += [f"<th>{e(run_label(r))}</th>" for r in runs] + ["</tr>"]
         parts += [f"<tr><td>{e(label)}</td>{''.join(f'<td>{e(c)}</td>' for c in cells)}</tr>" for label, cells in rows]
         parts.append("</table>")
-    for panel in panels:
-        parts += [f"<h2>{e(panel.title)}</h2>", _panel_svg(panel, runs)]
+    for panel in shown_panels(runs, panels):
+        parts += [f"<h2>{e(panel.title_for(runs))}</h2>", _panel_svg(panel, runs)]
     stats = [summarize(r.history) for r in runs]
     keys = list(dict.fromkeys(k for s in stats for k in s))
     parts += ["<h2>Key metrics (mean over steps)</h2>", "<table><tr><th>metric</th>"]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from r3rl import metrics as M
+from r3rl.tracking.summary import lagged_steps
+
+LAG_NOTE = " (max_staleness >= 1: mixed with policy lag)"
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,17 @@ class Panel:
     keys: tuple[str, ...] = ()  # metrics drawn when present
     pattern: str | None = None  # or a family of metrics (one per layer, one per stage)
     y_label: str = ""
+    # one step off-policy the replayed routes are the older weights' choices in the newer weights: the figures then
+    # hold the policy lag too (said in the title only where a compared run trained on older samples)
+    lag_mixed: bool = False
+
+    def title_for(self, runs: Sequence) -> str:
+        """The title, with the policy-lag note where it applies to one of ``runs``."""
+        lagged = self.lag_mixed and any(lagged_steps(r.history) for r in runs)
+        return self.title + (LAG_NOTE if lagged else "")
+
+    def has_data(self, runs: Sequence) -> bool:
+        return any(self.select(r.metric_keys()) for r in runs)
 
     def select(self, available: Iterable[str]) -> list[str]:
         """The panel's metrics among ``available``, in a stable order (families sorted by name)."""
@@ -28,13 +42,12 @@ class Panel:
 
 
 PANELS: tuple[Panel, ...] = (
-    # one step off-policy the replayed routes are the older weights' choices in the newer weights: the figures then
-    # hold the policy lag too, and only the fresh samples' figure is the engine's mismatch alone
-    Panel("Log-prob |trainer - rollout|: with vs without R3 replay (max_staleness >= 1: mixed with policy lag)",
+    # only the fresh samples' figure (train/logprob_abs_diff_fresh) is then the engine's mismatch alone
+    Panel("Log-prob |trainer - rollout|: with vs without R3 replay",
           M.STEP_AXES["train"], keys=(M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_FRESH),
-          y_label="mean |log-prob diff| (band: ±1 stderr)"),
-    Panel("Routing flip rate per layer (max_staleness >= 1: mixed with policy lag)", M.STEP_AXES["r3"],
-          keys=(M.ROUTING_FLIP_RATE,), pattern=r"r3/routing_flip_rate/layer_\d+", y_label="share of tokens"),
+          y_label="mean |log-prob diff| (band: ±1 stderr)", lag_mixed=True),
+    Panel("Routing flip rate per layer", M.STEP_AXES["r3"], keys=(M.ROUTING_FLIP_RATE,),
+          pattern=r"r3/routing_flip_rate/layer_\d+", y_label="share of tokens", lag_mixed=True),
     # multi-turn episodes (env=calculator, reflect): replay must shrink turn 2's mismatch as much as turn 1's
     Panel("Log-prob |trainer - rollout| per turn of multi-turn episodes: with vs without R3 replay",
           M.STEP_AXES["train"], pattern=r"train/logprob_abs_diff(_no_replay)?/turn_\d+",

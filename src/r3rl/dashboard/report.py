@@ -41,10 +41,12 @@ def _line_plot(panel: Panel, runs: Sequence[OfflineRun]) -> wr.LinePlot:
     for run in runs:
         keys.update(dict.fromkeys(panel.select(run.metric_keys())))
     if keys:
-        return wr.LinePlot(title=panel.title, x=panel.x, y=list(keys), title_x=panel.x, title_y=panel.y_label)
+        return wr.LinePlot(title=panel.title_for(runs), x=panel.x, y=list(keys), title_x=panel.x,
+                           title_y=panel.y_label)
     # no run has logged it yet: let W&B pick the family by name
     pattern = panel.pattern or "|".join(panel.keys)
-    return wr.LinePlot(title=panel.title, x=panel.x, metric_regex=pattern, title_x=panel.x, title_y=panel.y_label)
+    return wr.LinePlot(title=panel.title_for(runs), x=panel.x, metric_regex=pattern, title_x=panel.x,
+                       title_y=panel.y_label)
 
 
 def build_report(runs: Sequence[OfflineRun], *, entity: str, project: str,

@@ -38,6 +38,8 @@ def run_dirs(tmp_path_factory, make_step_metrics):
 
 
 def test_cli_writes_png_html_and_report_spec(run_dirs, tmp_path):
+    """Fails if a panel no compared run logged were drawn (an empty "not logged" panel), if the policy-lag note were
+    put on runs trained in turn, or if a panel, the runs table or the side-by-side table went missing."""
     out = tmp_path / "compare"
     assert main(["--runs", str(run_dirs[True]), str(run_dirs[False]), "--out", str(out), "--entity", "e"]) == 0
     png = out / "comparison.png"
@@ -45,9 +47,14 @@ def test_cli_writes_png_html_and_report_spec(run_dirs, tmp_path):
     pixels = matplotlib.image.imread(png)
     assert pixels.shape[0] > 400 and pixels.std() > 0.05  # drawn, not blank
     page = (out / "comparison.html").read_text()
-    for panel in PANELS:
+    # the panels these single-turn, in-turn runs logged: every one but the multi-turn panel, titles without the
+    # policy-lag note (they have no sample of older weights) and no empty panel
+    shown = [p for p in PANELS if "per turn" not in p.title]
+    assert len(shown) == len(PANELS) - 1
+    for panel in shown:
         assert f"<h2>{html.escape(panel.title)}</h2>" in page
-    assert page.count("<svg") == len(PANELS)
+    assert page.count("<svg") == len(shown)
+    assert "policy lag" not in page.split("<h2>Mismatch and eval")[0] and "not logged by these runs" not in page
     assert "R3 on: tiny_moe-cpu-vllm_r3" in page and "R3 off: tiny_moe-cpu-vllm" in page  # the runs table
     assert "r3/routing_flip_rate/layer_03" in page  # the per-layer lines of the R3 run are drawn
     # mismatch and eval accuracy side by side: one column per run, first and last eval point
@@ -98,6 +105,25 @@ def test_the_comparison_table_says_an_async_runs_paired_figure_is_mixed():
 
     (row,) = [cells for name, cells in mismatch_and_eval([run(1.0), run(0.0)]) if name.startswith("replay removes")]
     assert "(mixed with policy lag)" in row[0] and "policy lag" not in row[1]
+
+
+def test_the_policy_lag_note_is_on_the_mismatch_panels_only_when_a_run_trained_on_older_samples():
+    """Fails if the note were dropped for a run with samples of older weights (its mismatch and flip figures would
+    pass for the engine's alone), put on in-turn runs, or put on panels the lag does not touch (reward, perf)."""
+    from r3rl.dashboard.local import shown_panels
+    from r3rl.tracking.offline_reader import OfflineRun
+
+    def run(staleness: float) -> OfflineRun:
+        history = [{"_step": s, "train/step": s, "train/logprob_abs_diff": 0.01, "rollout/reward_mean": 0.5,
+                    "rollout/staleness_mean": staleness} for s in (1, 2)]
+        return OfflineRun("id", "n", "g", (), "p", "e", {}, history, {})
+
+    mixed = {p.title for p in PANELS if p.title_for([run(0.0), run(1.0)]) != p.title}
+    assert mixed == {PANELS[0].title, PANELS[1].title}
+    assert all(p.title_for([run(0.0)]) == p.title for p in PANELS)
+    assert PANELS[0].title_for([run(1.0)]).endswith("(max_staleness >= 1: mixed with policy lag)")
+    # only the panels with a metric of these runs: the mismatch and the reward
+    assert [p.title for p in shown_panels([run(1.0)])] == [PANELS[0].title, "Reward"]
 
 
 def test_report_object_validates_offline(run_dirs):
