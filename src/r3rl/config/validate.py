@@ -68,7 +68,7 @@ _KV_BLOCK_TOKENS = {"cuda": 16, "cpu": 128}
 def route_block_bytes(model, device: str) -> int:
     """The smallest route store vLLM starts with: the routes of one KV block (its store keeps a block's rows as one
     object: block tokens x every hidden layer x top-k, ids in uint8 up to 256 experts, else uint16)."""
-    return _KV_BLOCK_TOKENS.get(device, 16) * model.num_layers * model.moe_topk * (1 if model.num_experts <= 256 else 2)
+    return _KV_BLOCK_TOKENS[device] * model.num_layers * model.moe_topk * (1 if model.num_experts <= 256 else 2)
 
 
 def validate(cfg: R3RLConfig) -> None:
@@ -231,7 +231,7 @@ def validate(cfg: R3RLConfig) -> None:
           "must be null or >= 1")
     check(ro.engine.route_store_bytes is None or (ro.routing_replay and ro.engine.route_store_bytes > 0),
           "rollout.engine.route_store_bytes", "is the size of vLLM's route store: null, or > 0 with rollout=vllm_r3")
-    if ro.engine.route_store_bytes and ro.routing_replay:
+    if ro.engine.route_store_bytes and ro.routing_replay and par.device in _KV_BLOCK_TOKENS:
         block = route_block_bytes(cfg.model, par.device)
         check(ro.engine.route_store_bytes >= block, "rollout.engine.route_store_bytes",
               f"{ro.engine.route_store_bytes} bytes do not hold the routes of one KV block, {block} bytes here "

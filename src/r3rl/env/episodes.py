@@ -24,7 +24,8 @@ import numpy as np
 
 from r3rl.config.schema import SamplingConfig
 from r3rl.env.base import Environment, Turn
-from r3rl.env.stitch import EpisodeStats, Recomputed, TurnRecord, episode_sample, recomputed_rows, route_start
+from r3rl.env.stitch import (EpisodeStats, Recomputed, TurnRecord, episode_sample, held_rows_from, recomputed_rows,
+                             route_start)
 from r3rl.rollout.client import RolloutClient, all_or_cancel, rollout_bar
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RoutedExpertsError
@@ -145,8 +146,7 @@ class EpisodeRunner:
                 if held and recomputed is not None:
                     cached = sample.extra.get("cached_tokens")
                     recomputed = None if cached is None else recomputed + recomputed_rows(
-                        np.concatenate([r.sample.routed_experts for r in turns]), sample.routed_experts,
-                        start=start, cached_tokens=cached)
+                        held_rows_from(turns, start), sample.routed_experts, start=start, cached_tokens=cached)
                 # rows asked for again (no prefix omission): the held ones stay as their turn returned them
                 sample.routed_experts = sample.routed_experts[held - start:]
             record = TurnRecord(context_len=len(context), routes_from=held, sample=sample)

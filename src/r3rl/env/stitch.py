@@ -57,18 +57,29 @@ class Recomputed:
         return Recomputed(self.rows + other.rows, self.checked + other.checked, self.changed + other.changed)
 
 
-def recomputed_rows(held: np.ndarray, returned: np.ndarray, *, start: int, cached_tokens: int) -> Recomputed:
-    """The held rows ``held`` (``[H, L, K]``) that a turn's prefill recomputed (positions ``cached_tokens .. H-1``,
-    the prefix cache having served the ones before), compared with that turn's ``returned`` rows (``[R, L, K]``, row
-    ``start`` first) where it sent them again; an expert set compares as a set (the order of top-k is not routing)."""
-    h = len(held)
+def recomputed_rows(held_tail: np.ndarray, returned: np.ndarray, *, start: int, cached_tokens: int) -> Recomputed:
+    """The held rows a turn's prefill recomputed (positions ``cached_tokens .. H-1``, the prefix cache having served
+    the ones before), compared with that turn's ``returned`` rows (``[R, L, K]``, row ``start`` first) where it sent
+    them again. ``held_tail`` is the held rows from ``start`` on (``[H - start, L, K]``: only those can be compared);
+    an expert set compares as a set (the order of top-k is not routing)."""
+    h = start + len(held_tail)
     first = max(cached_tokens, start)
     if first >= h:
         return Recomputed(rows=max(0, h - cached_tokens))
     new = np.sort(returned[first - start:h - start], axis=-1)
-    old = np.sort(held[first:h], axis=-1)
+    old = np.sort(held_tail[first - start:], axis=-1)
     changed = int(np.any(new != old, axis=(-2, -1)).sum())
     return Recomputed(rows=h - cached_tokens, checked=h - first, changed=changed)
+
+
+def held_rows_from(turns: list[TurnRecord], start: int) -> np.ndarray:
+    """The rows the episode's ``turns`` hold from row ``start`` on, joining only the last turns that cover them (a
+    long episode's every turn would otherwise copy its whole context)."""
+    first = len(turns) - 1
+    while turns[first].routes_from > start:
+        first -= 1
+    rows = np.concatenate([r.sample.routed_experts for r in turns[first:]])
+    return rows[start - turns[first].routes_from:]
 
 
 @dataclass

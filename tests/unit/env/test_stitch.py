@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from r3rl.env.stitch import (EpisodeStats, Recomputed, StitchError, TurnRecord, episode_sample, recomputed_rows,
-                             route_start, shift_turn_rows)
+from r3rl.env.stitch import (EpisodeStats, Recomputed, StitchError, TurnRecord, episode_sample, held_rows_from,
+                             recomputed_rows, route_start, shift_turn_rows)
 from r3rl.metrics import episode_metrics, per_turn_mismatch
 from r3rl.sample import Sample, SampleStatus
 
@@ -126,19 +126,24 @@ def test_recomputed_rows_are_counted_from_the_cache_hits_and_compared_where_sent
     """A turn asked from row ``route_start(H, overlap)`` and the engine served ``cached`` prompt tokens from its
     prefix cache: held rows ``cached .. H-1`` were recomputed, the ones at or after the start compared. Fails if the
     returned rows were read one off (the row of position p taken for p-1), if the top-k order counted as a change,
-    if rows the cache served were counted, or if an episode without the engine's figure entered the step's sums."""
+    if rows the cache served were counted, if an episode without the engine's figure entered the step's sums, or if
+    the held rows from a start were joined from the wrong turns or one row off."""
+    turns, _, routes = episode()
+    for start in (0, 3, 8, 9, 14, 20):  # the turns' rows begin at 0 and 8, the two hold 13: inside, at and past
+        np.testing.assert_array_equal(held_rows_from(turns[:2], start), routes[start:5 + 4 + 2 + 3 - 1])
     held = truth(40)
     assert route_start(40, 16) == 24 and route_start(10, 16) == 0 and route_start(40) == 40
     returned = truth(45)[24:].copy()  # the turn sent rows 24..44 back: 24..39 are held ones again
     returned[:, 1] = returned[:, 1, ::-1]  # another top-k order in layer 1: the same routing
-    assert recomputed_rows(held, returned, start=24, cached_tokens=32) == Recomputed(rows=8, checked=8, changed=0)
+    assert recomputed_rows(held[24:], returned, start=24, cached_tokens=32) == Recomputed(rows=8, checked=8, changed=0)
     returned[36 - 24, 2, 0] = 99  # position 36's experts changed in the recomputation
     returned[30 - 24, 0, 0] = 99  # position 30 came from the cache: its row is the held one whatever came back
-    assert recomputed_rows(held, returned, start=24, cached_tokens=32) == Recomputed(rows=8, checked=8, changed=1)
+    assert recomputed_rows(held[24:], returned, start=24, cached_tokens=32) == Recomputed(rows=8, checked=8, changed=1)
     # recomputation from row 16 on, before the rows sent again: 8 recomputed rows were not compared
-    assert recomputed_rows(held, returned, start=24, cached_tokens=16) == Recomputed(rows=24, checked=16, changed=2)
+    assert recomputed_rows(held[24:], returned, start=24, cached_tokens=16) == \
+        Recomputed(rows=24, checked=16, changed=2)
     # nothing sent again (overlap 0): counted, never compared
-    assert recomputed_rows(held, truth(45)[40:], start=40, cached_tokens=32) == Recomputed(rows=8)
+    assert recomputed_rows(held[40:], truth(45)[40:], start=40, cached_tokens=32) == Recomputed(rows=8)
     m = episode_metrics([replace(stats(), recomputed=Recomputed(8, 8, 1)), replace(stats(), recomputed=None),
                          replace(stats(), recomputed=Recomputed(4, 2, 0))])
     assert (m["r3/recomputed_rows"], m["r3/recomputed_rows_checked"], m["r3/recomputed_rows_experts_changed"]) == \
