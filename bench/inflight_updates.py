@@ -1,17 +1,19 @@
-"""Weight updates in flight against in turn and one step ahead: the same recipe, seeds and steps in three modes, side
+"""Weight updates in flight against in turn and one step ahead: the same recipe, seeds and steps in four modes, side
 by side in one invocation, one run after the other on the same machine.
 
     python bench/inflight_updates.py [--steps 10] [--out outputs/inflight] [overrides ...]
 
-Modes: in turn (``algorithm.max_staleness=0``), one step ahead (``=1``, ``algorithm.weight_update=between_batches``)
-and in flight (``=1``, ``in_flight``), all with ``correction=tis`` and R3. The default recipe answers in at most 16
-tokens on the CPU; the bench lets responses run to ``rollout.sampling.max_tokens=128`` so that most end early and a
-few run long (the length mean and max are printed). Step 1 is left out of the rates (an overlapped run generates its
+Modes: in turn (``algorithm.max_staleness=0``), one step ahead (``=1``, ``algorithm.weight_update=between_batches``),
+in flight (``=1``, ``in_flight``) and in flight taking groups in completion order (``algorithm.group_intake=
+completion``: a stream of two batches' groups, a step takes the first to complete), all with ``correction=tis`` and
+R3. The default recipe answers in at most 16 tokens on the CPU; the bench lets responses run to
+``rollout.sampling.max_tokens=128`` so that most end early and a few run long (the length mean and max are printed). Step 1 is left out of the rates (an overlapped run generates its
 first batch alone). Printed per mode: trained samples per second (as a ratio to in turn), the engine's idle share
 during the steps (``/metrics``: no request running or waiting, polled every 0.1 s), staleness per token, the share
-of samples spanning two versions, the mismatch with and without replay over the tokens of the current and of older
+of samples spanning two versions, the samples evicted as stale, the groups that overtook a slower one, the mismatch with and without replay over the tokens of the current and of older
 weight versions, and the held-out gain (eval at step 0 and the last step, paired over prompts, clustered by problem).
-Last line: ``inflight: samples/s in-flight / one-step-ahead <r>; older-version tokens replay/no-replay <q>``.
+Last line, for in flight with completion order: ``inflight: samples/s in-flight / one-step-ahead <r>; older-version
+tokens replay/no-replay <q>``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from r3rl import metrics as M  # noqa: E402
 
 MODES = {"in turn": ["algorithm.max_staleness=0"],
          "one step ahead": ["algorithm.max_staleness=1", "algorithm.weight_update=between_batches"],
-         "in flight": ["algorithm.max_staleness=1", "algorithm.weight_update=in_flight"]}
+         "in flight": ["algorithm.max_staleness=1", "algorithm.weight_update=in_flight"],
+         "completion order": ["algorithm.max_staleness=1", "algorithm.weight_update=in_flight",
+                              "algorithm.group_intake=completion"]}
 LONG_TAIL = ["rollout.sampling.max_tokens=128"]
 
 
@@ -142,6 +146,8 @@ def main() -> None:
                                                 f"{max(x.get(M.RESPONSE_LENGTH_MAX, 0) for x in r['rows']):.0f}")
     row("staleness per token (versions)", lambda r: f"{mean(r['rows'], M.STALENESS_TOKEN_MEAN):.2f}")
     row("samples spanning two versions", lambda r: f"{mean(r['rows'], M.SPANNING_VERSIONS_SHARE):.2f}")
+    row("samples out of the loss as stale, per step", lambda r: f"{mean(r['rows'], M.DROPPED_STALE):.1f}")
+    row("groups overtaking a slower one, per step", lambda r: f"{mean(r['rows'], M.GROUPS_OVERTAKING):.1f}")
     for which in ("current", "older"):
         for key, what in ((M.LOGPROB_ABS_DIFF_VERSION_TOKENS, "replay"),
                           (M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS, "no replay")):
@@ -151,13 +157,15 @@ def main() -> None:
                                                           f"{mean(r['rows'], M.LOGPROB_ABS_DIFF_NO_REPLAY):.3g}")
     row("held-out gain +- se (clustered by problem)", lambda r: f"{r['gain'][0]:+.3f} +- {r['gain'][1]:.3f}")
     Console(width=160).print(table)
-    flight, ahead = results["in flight"], results["one step ahead"]
+    ahead = results["one step ahead"]
+    print(f"in flight, batch intake: samples/s / one-step-ahead {results['in flight']['rate'] / ahead['rate']:.2f}")
+    # the last line is the whole in-flight design: updates under the requests and groups taken as they complete
+    flight = results["completion order"]
     older = M.LOGPROB_ABS_DIFF_VERSION_TOKENS.format(which="older")
     older_no = M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS.format(which="older")
     q = mean(flight["rows"], older) / mean(flight["rows"], older_no)
     print(f"inflight: samples/s in-flight / one-step-ahead {flight['rate'] / ahead['rate']:.2f}; "
           f"older-version tokens replay/no-replay {q:.2f}")
-
 
 if __name__ == "__main__":
     main()

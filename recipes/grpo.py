@@ -5,7 +5,8 @@ sync weights -> log -> save. With ``algorithm.max_staleness >= 1`` the engines a
 consumer: a step takes the batch the engines generated during the previous step, hands the engines the trainer's
 weights if their next batch would otherwise come out too old, starts that batch, and trains this one meanwhile.
 With ``algorithm.weight_update=in_flight`` the weights go to the engines under the batch still generating, and the
-next batch starts beside its slowest samples, before the step waits for them.
+next batch starts beside its slowest samples, before the step waits for them; with ``algorithm.group_intake=completion``
+too, the engines generate a stream of groups and a step takes the first to complete (``r3rl.rollout.group_stream``).
 The driver process is the controller and holds no GPU; trainer ranks and vLLM engines are Ray actors placed by
 ``r3rl.placement``. What the SFT recipe shares with this one (start and stop of the
 actors, weight sync, eval points, checkpoints, SIGTERM, the end-of-run report) is in ``recipes/common.py``.
@@ -24,7 +25,7 @@ import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from r3rl import metrics as M
-from r3rl.config.modes import pi_old_from_training_forward, replay_mode, unreplayed_pass_due
+from r3rl.config.modes import group_buffer, pi_old_from_training_forward, replay_mode, unreplayed_pass_due
 from r3rl.config.schema import R3RLConfig
 from r3rl.data.arithmetic import ensure_prompts
 from r3rl.data.dataset import PromptDataset
@@ -34,6 +35,7 @@ from r3rl.env.episodes import EpisodePrompt, EpisodeRunner, EpisodeSettings
 from r3rl.env.stitch import shift_turn_rows
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import EngineError, route_store_failure
+from r3rl.rollout.group_stream import Drawn, GroupFailed, GroupStream, requeued
 from r3rl.rollout.store import save_rollout
 from r3rl.sample import Sample, SampleStatus
 from r3rl.train import correction, dapo, staleness
@@ -63,6 +65,11 @@ class GRPORecipe(common.Recipe):
         self.producer = ThreadPoolExecutor(max_workers=2 if self.in_flight else 1,
                                            thread_name_prefix="r3rl-rollout-ahead") if self.max_staleness else None
         self.ahead: tuple[int, list, Future, dict] | None = None
+        # group_intake=completion: the stream of groups (built in train, started at the first step), its client,
+        # and the groups a checkpoint left drawn and untrained (generated first)
+        self.completion = cfg.algorithm.group_intake == "completion"
+        self.stream: GroupStream | None = None
+        self.resumed_data_state: dict = {}
         # env with episodes (r3rl.env): the environment, built in setup, and its episode loop over the client
         self.environment = None
         self.episodes: EpisodeRunner | None = None
@@ -72,6 +79,8 @@ class GRPORecipe(common.Recipe):
         """The prompts, then Ray, the trainer ranks, the engines, the rollout client, the weight sync and W&B
         (``common.Recipe.start``); a resumed run continues from its checkpoint."""
         resume_from, meta = self.prepare()
+        # group_intake=completion: its pending groups (batch intake refuses such a checkpoint: preflight)
+        self.resumed_data_state = meta.data_state if meta is not None else {}
         ensure_prompts(self.cfg.data)
         self.dataset = PromptDataset(self.cfg.data, self.tokenizer)
         # built before any process starts: an environment that cannot be built ends the run here
@@ -93,6 +102,11 @@ class GRPORecipe(common.Recipe):
         # one stream of prompt batches: dynamic sampling draws its extra rounds from it, so a checkpoint's data state
         # counts every prompt a step used
         self.batches = batches = self.dataset.batches(cfg.algorithm.rollout_batch_size)
+        if self.completion:  # one prompt a draw, as groups complete; a checkpoint's pending groups first
+            draws = self.dataset.batches(1)
+            again, next_serial = requeued(self.resumed_data_state, self.dataset.__getitem__)
+            self.stream = GroupStream(lambda: next(draws)[0], self.generate_group, capacity=group_buffer(cfg),
+                                      requeue=again, next_serial=next_serial)
         self.eval_before_training()
         with Progress(TextColumn("[bold]GRPO step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
@@ -243,7 +257,8 @@ class GRPORecipe(common.Recipe):
         on a run's first step and after a resume), with the samples older than the bound taken out of the loss.
         Then the engines take the trainer's weights if the batch they start next would otherwise be trained more
         than ``max_staleness`` versions after its weights, and start it: it is generated while this step trains."""
-        cfg = self.cfg
+        if self.stream is not None:
+            return self.take_completed(step, timings)
         if self.ahead is None:
             self.start_ahead(step)
         ahead_step, prompts, future, _ = self.ahead
@@ -261,6 +276,53 @@ class GRPORecipe(common.Recipe):
             self.sync_and_start_next(step, timings, in_flight=False)
         timings.setdefault("weight_sync", 0.0)
         return samples, {**stats, **stale, **staleness.token_metrics(samples, step - 1)}
+
+    def take_completed(self, step: int, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
+        """``group_intake=completion``: the engines take the trainer's weights under the groups generating (every
+        step), and the step takes the first ``rollout_batch_size`` groups to complete, graded, with the groups past
+        the staleness bound taken out of the loss."""
+        alg = self.cfg.algorithm
+        if (self.engine_version or 0) != step - 1:
+            t = time.perf_counter()
+            self.sync_weights(version=step - 1, in_flight=True)
+            timings["weight_sync"] = time.perf_counter() - t
+        if not self.stream.started:
+            self.stream_client = RolloutClient.from_config(self.cfg, self.engines.urls, progress=False)
+            self.stream_client.serve_version(self.engine_version or 0)
+            self.live_clients.append(self.stream_client)
+            self.stream.start(self.producer.submit)
+        t = time.perf_counter()
+        try:
+            taken = self.stream.take(alg.rollout_batch_size)
+        except GroupFailed as err:  # an engine that failed: the run ends naming it, as in batch intake
+            raise EngineError(f"step {step}: {err}") from err
+        timings["generate"] = time.perf_counter() - t
+        pending = self.stream.pending()
+        n = alg.n_samples_per_prompt
+        # the step's own group numbers, in completion order: advantages are centred per group
+        samples = [dataclasses.replace(s, group=g, index=g * n + j)
+                   for g, (_, group) in enumerate(taken) for j, s in enumerate(group)]
+        samples, stats = self.rollout(step, None, samples)
+        try:
+            samples, stale = staleness.drop_stale(samples, step - 1, self.max_staleness)
+        except staleness.StaleVersionError as err:
+            raise EngineError(f"step {step}: {err}") from err
+        stats[M.GROUPS_PENDING] = float(len(pending))
+        stats[M.GROUPS_OVERTAKING] = float(sum(d.serial > pending[0] for d, _ in taken)) if pending else 0.0
+        timings.setdefault("weight_sync", 0.0)
+        return samples, {**stats, **stale, **staleness.token_metrics(samples, step - 1)}
+
+    async def generate_group(self, drawn: Drawn) -> list[Sample]:
+        """One group of the stream: ``n_samples_per_prompt`` samples of ``drawn.prompt``, seeded by its draw serial
+        (a resumed run generates a pending group with the same seeds), on engine ``serial % engines``."""
+        cfg, prompt = self.cfg, drawn.prompt
+        samples = await self.stream_client.generate(
+            [list(map(int, prompt.prompt_ids))], cfg.algorithm.n_samples_per_prompt, cfg.rollout.sampling,
+            step=drawn.serial, stop_token_ids=[self.tokenizer.eos_token_id], labels=[prompt.label],
+            first_engine=drawn.serial)
+        if aborted := [s.index for s in samples if s.status == SampleStatus.ABORTED]:
+            raise EngineError(f"samples {aborted} of the group were aborted by the engine")
+        return samples
 
     def sync_and_start_next(self, step: int, timings: dict[str, float], *, in_flight: bool) -> None:
         """Before the batch of ``step + 1`` starts: the trainer's weights, if that batch would otherwise be trained
@@ -297,7 +359,10 @@ class GRPORecipe(common.Recipe):
                 client.serve_version(version)
 
     def data_state(self) -> dict:
-        """The data sampler's state for a checkpoint: from before the prompts of a batch generated ahead."""
+        """The data sampler's state for a checkpoint: from before the prompts of a batch generated ahead; with a
+        stream of groups, after its last draw, with the groups drawn and not yet trained."""
+        if self.stream is not None:
+            return self.stream.state(self.dataset.state_dict)
         return self.ahead[3] if self.ahead is not None else self.dataset.state_dict()
 
     def before_eval(self, step: int) -> None:
@@ -306,9 +371,12 @@ class GRPORecipe(common.Recipe):
         if self.ahead is not None:
             wait_quietly(self.ahead[2])
         if self.producer is not None and (self.engine_version or 0) != step:
-            self.sync_weights(version=step)
+            # a stream of groups generates on: the weights go under its requests
+            self.sync_weights(version=step, in_flight=self.stream is not None and self.stream.started)
 
     def cleanup(self) -> None:
+        if self.stream is not None:  # its pending groups are in the checkpoint's data state
+            self.stream.close()
         if self.producer is not None:
             if self.ahead is not None:  # not in any checkpoint (the data state is from before it): let it go
                 wait_quietly(self.ahead[2])

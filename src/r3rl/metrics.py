@@ -162,6 +162,11 @@ DROPPED_STALE = "rollout/dropped_stale"
 # (algorithm.weight_update=in_flight)
 STALENESS_TOKEN_MEAN = "rollout/staleness_token_mean"
 SPANNING_VERSIONS_SHARE = "rollout/spanning_versions_share"
+# algorithm.group_intake=completion: groups drawn and not yet trained once the step took its own (generating, or
+# done and waiting), and the step's groups drawn after one of those still pending (they overtook it: a batch intake
+# would have waited for it)
+GROUPS_PENDING = "rollout/groups_pending"
+GROUPS_OVERTAKING = "rollout/groups_overtaking"
 # train/logprob_abs_diff over the samples of staleness 0 only: the engine mismatch without the policy lag
 # (absent from a step that has none)
 LOGPROB_ABS_DIFF_FRESH = "train/logprob_abs_diff_fresh"

@@ -42,6 +42,7 @@ def problems(cfg: R3RLConfig, *, launching: bool = False) -> list[tuple[str, str
     found.extend(data_problems(cfg, launching))
     found.extend(checkpoint_problems(cfg.model))
     found.extend(environment_problems(cfg))
+    found.extend(resume_problems(cfg))
     # eval sets, their files included: a malformed record is named by file and line here, before launch
     from r3rl.eval.sets import eval_overlaps, eval_problems
 
@@ -158,6 +159,28 @@ def resumed_checkpoint_format(cfg: R3RLConfig) -> str | None:
         return checkpoint.read_complete(folder / checkpoint.TRAINER_DIR).get("optimizer_format") if folder else None
     except (OSError, ValueError):  # an unreadable one is the resume's own error to report, with its path
         return None
+
+
+def resume_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """A checkpoint this launch would resume that the config cannot continue without losing data: groups a stream
+    drew and did not train (``algorithm.group_intake=completion``) are generated again by a stream alone."""
+    from pathlib import Path
+
+    from r3rl import checkpoint
+
+    if not cfg.run.resume or cfg.algorithm.group_intake == "completion":
+        return []
+    try:
+        folder = checkpoint.latest(Path(cfg.run.output_dir))
+        pending = checkpoint.read_meta(folder).data_state.get("pending") if folder else None
+    except (OSError, ValueError):  # an unreadable one is the resume's own error to report, with its path
+        return []
+    if not pending:
+        return []
+    return [("algorithm.group_intake", f"{folder} holds {len(pending)} groups drawn and not yet trained (saved "
+                                       "with algorithm.group_intake=completion), which batch intake would lose: "
+                                       "resume with algorithm.group_intake=completion algorithm.weight_update=in_flight, "
+                                       "or run.resume=false")]
 
 
 def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:

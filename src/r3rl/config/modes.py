@@ -10,6 +10,8 @@ RECIPE_NAMES = ("grpo", "sft")
 CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
 # when the engines take new weights under max_staleness >= 1 (recipes/grpo.py)
 WEIGHT_UPDATE_NAMES = ("between_batches", "in_flight")
+# how a step takes its groups: the batch of prompts drawn for it, or the first groups to complete (r3rl.rollout.group_stream)
+GROUP_INTAKE_NAMES = ("batch", "completion")
 # correction.rejected_tokens: what a token IcePop / seq_mask_tis rejects does to the loss's token count
 REJECTED_TOKENS = ("zero_weight", "drop_from_count")
 # the disjoint shares of a generated problem space (r3rl.data.arithmetic.SPLITS gives their sizes)
@@ -53,6 +55,14 @@ def resolve_dtype(value: str, device: str) -> str:
     if value != "auto":
         return value
     return "float32" if device == "cpu" else "bfloat16"
+
+
+def group_buffer(cfg) -> int:
+    """``algorithm.group_intake=completion``: the most groups drawn and not yet trained (generating, or done and
+    waiting for a step); ``algorithm.group_buffer``, or two batches when 0, so that the next batch's groups generate
+    beside the slowest of this one's."""
+    alg = cfg.algorithm
+    return alg.group_buffer or 2 * alg.rollout_batch_size
 
 
 def engine_concurrency(cfg) -> int:

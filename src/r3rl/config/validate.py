@@ -11,8 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from r3rl.config.modes import (CORRECTION_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES, SPLIT_NAMES,
-                               TRAIN_SPLIT, WEIGHT_UPDATE_NAMES, replay_mode)
+from r3rl.config.modes import (CORRECTION_NAMES, GROUP_INTAKE_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES,
+                               SPLIT_NAMES, TRAIN_SPLIT, WEIGHT_UPDATE_NAMES, replay_mode)
 from r3rl.config.schema import R3RLConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -363,6 +363,17 @@ def validate(cfg: R3RLConfig) -> None:
     # not put both back
     check(alg.weight_update != "in_flight" or not alg.dynamic_sampling, "algorithm.weight_update",
           "in_flight with algorithm.dynamic_sampling=true is not supported yet: use between_batches")
+    check(alg.group_intake in GROUP_INTAKE_NAMES, "algorithm.group_intake",
+          f"must be one of {GROUP_INTAKE_NAMES}, got {alg.group_intake!r}")
+    # a stream of groups always has requests in flight: only an update under them lets the weights move on
+    check(alg.group_intake != "completion" or alg.weight_update == "in_flight", "algorithm.group_intake",
+          "completion takes groups as they complete while others generate, so the weights must go to the engines "
+          f"under requests in flight: it needs algorithm.weight_update=in_flight (got {alg.weight_update})")
+    # with no more groups drawn than a step takes, a step waits for the slowest of them: batch intake again
+    check(alg.group_buffer == 0 or alg.group_buffer > alg.rollout_batch_size, "algorithm.group_buffer",
+          f"must be 0 (2 x rollout_batch_size = {2 * alg.rollout_batch_size}) or above "
+          f"algorithm.rollout_batch_size={alg.rollout_batch_size} (a step would wait for its slowest group), "
+          f"got {alg.group_buffer}")
     # seq_mask_tis's band on a sequence's geometric-mean ratio (NeMo-RL's [0.999, 1.002]) is sized for the engine
     # mismatch alone: one step of policy lag moves most sequences out of it, and the step trains on nearly nothing
     check(alg.max_staleness == 0 or cfg.correction.name != "seq_mask_tis", "correction",

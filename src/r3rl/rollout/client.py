@@ -137,10 +137,12 @@ class RolloutClient:
     # -- generation ---------------------------------------------------------------------------------------------
     async def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *, step: int = 0,
                        stop_token_ids: Sequence[int] | None = None, labels: Sequence[str | None] | None = None,
-                       max_tokens: Sequence[int] | None = None, progress_label: str | None = None) -> list[Sample]:
+                       max_tokens: Sequence[int] | None = None, progress_label: str | None = None,
+                       first_engine: int = 0) -> list[Sample]:
         """``n`` samples per prompt; sample ``i = prompt * n + j`` has ``group = prompt`` and seed
-        ``sampling.seed + step * 100003 + i``. ``max_tokens`` optionally caps each prompt separately;
-        ``progress_label`` names the progress bar (default ``rollout step <step>``)."""
+        ``sampling.seed + step * 100003 + i``, and goes to engine ``(first_engine + prompt) % engines``.
+        ``max_tokens`` optionally caps each prompt separately; ``progress_label`` names the progress bar (default
+        ``rollout step <step>``)."""
         if labels is not None and len(labels) != len(prompts):
             raise ValueError(f"labels: expected {len(prompts)} (one per prompt), got {len(labels)}")
         if max_tokens is not None and len(max_tokens) != len(prompts):
@@ -161,7 +163,7 @@ class RolloutClient:
 
         async def request(group: int, start: int, count: int, attempt: int) -> list[Sample]:
             """Samples ``start .. start + count - 1`` of ``group``; aborted ones again one by one, or dropped."""
-            url = self.urls[group % len(self.urls)]
+            url = self.urls[(first_engine + group) % len(self.urls)]
             prompt = prompts[group]
             first = group * n + start
             while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,14 @@ REPO = Path(__file__).resolve().parents[3]
          "algorithm.weight_update"),
         (["algorithm.dynamic_sampling=true", "algorithm.max_staleness=1", "correction=tis",
           "algorithm.weight_update=in_flight"], "algorithm.weight_update"),
+        # a stream always has requests in flight: its weights can only go in flight
+        (["algorithm.max_staleness=1", "correction=tis", "algorithm.group_intake=completion"],
+         "algorithm.group_intake"),
+        (["algorithm.group_intake=first"], "algorithm.group_intake"),
+        # no more groups drawn than a step takes: it would wait for the slowest again
+        (["algorithm.max_staleness=1", "correction=tis", "algorithm.weight_update=in_flight",
+          "algorithm.group_intake=completion", "algorithm.rollout_batch_size=32", "algorithm.group_buffer=32"],
+         "algorithm.group_buffer"),
         (["rollout=vllm", "replay=r3"], "replay"),
         (["rollout=vllm", "replay=r2", "trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
         ([GPU, "replay=r2", "parallelism.trainer.pipeline_parallel=2", "parallelism.trainer.expert_parallel=2"],
@@ -270,3 +279,28 @@ def test_a_route_store_below_one_kv_block_is_refused_with_the_size_that_fits(com
 
     qwen = compose_config(["model=qwen3_30b", "parallelism=disaggregated_4p4"]).model
     assert route_block_bytes(qwen, "cuda") == 16 * 48 * 8
+
+
+def test_a_checkpoint_with_pending_groups_resumes_only_as_a_stream(tmp_path):
+    """A checkpoint saved with ``algorithm.group_intake=completion`` holds groups drawn and not trained; resumed with
+    batch intake they would never be generated. Fails if the preflight let such a resume start (the groups lost
+    silently), or refused a stream's resume or a checkpoint with nothing pending."""
+    from r3rl import checkpoint
+    from r3rl.config import compose as compose_config
+    from r3rl.preflight import resume_problems
+
+    stream = ["algorithm.max_staleness=1", "correction=tis", "algorithm.weight_update=in_flight"]
+    base = ["model=tiny_moe", "parallelism=cpu", f"run.output_dir={tmp_path}", *stream]
+    def write(folder):  # what the trainer ranks leave in a finished save
+        (folder / checkpoint.TRAINER_DIR).mkdir()
+        (folder / checkpoint.TRAINER_DIR / checkpoint.COMPLETE).write_text(json.dumps(
+            {"format": checkpoint.TRAINER_FORMAT}))
+
+    checkpoint.save(tmp_path, checkpoint.CheckpointMeta(step=3, data_state={"epoch": 0, "position": 9}), write)
+    assert resume_problems(compose_config(base)) == []
+    checkpoint.save(tmp_path, checkpoint.CheckpointMeta(step=4, data_state={
+        "epoch": 0, "position": 12, "next_serial": 12, "pending": [[9, 4], [11, 0]]}), write)
+    (key, reason), = resume_problems(compose_config(base))
+    assert key == "algorithm.group_intake" and "2 groups drawn and not yet trained" in reason
+    assert resume_problems(compose_config([*base, "algorithm.group_intake=completion"])) == []
+    assert resume_problems(compose_config([*base, "run.resume=false"])) == []
