@@ -25,7 +25,8 @@ import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from r3rl import metrics as M
-from r3rl.config.modes import group_buffer, pi_old_from_training_forward, replay_mode, unreplayed_pass_due
+from r3rl.config.modes import (group_buffer, group_draw_limit, pi_old_from_training_forward, replay_mode,
+                               unreplayed_pass_due)
 from r3rl.config.schema import R3RLConfig
 from r3rl.data.arithmetic import ensure_prompts
 from r3rl.data.dataset import PromptDataset
@@ -69,6 +70,7 @@ class GRPORecipe(common.Recipe):
         # and the groups a checkpoint left drawn and untrained (generated first)
         self.completion = cfg.algorithm.group_intake == "completion"
         self.stream: GroupStream | None = None
+        self.stream_client: RolloutClient | None = None
         self.resumed_data_state: dict = {}
         # env with episodes (r3rl.env): the environment, built in setup, and its episode loop over the client
         self.environment = None
@@ -290,6 +292,7 @@ class GRPORecipe(common.Recipe):
             self.stream_client = RolloutClient.from_config(self.cfg, self.engines.urls, progress=False)
             self.stream_client.serve_version(self.engine_version or 0)
             self.live_clients.append(self.stream_client)
+            self.stream.allow(group_draw_limit(self.cfg, self.engine_version or 0))
             self.stream.start(self.producer.submit)
         t = time.perf_counter()
         try:
@@ -357,6 +360,8 @@ class GRPORecipe(common.Recipe):
         if self.in_flight:
             for client in [self.client, *self.live_clients]:
                 client.serve_version(version)
+        if self.stream is not None:  # groups drawn from now on come out of the new version
+            self.stream.allow(group_draw_limit(self.cfg, version))
 
     def data_state(self) -> dict:
         """The data sampler's state for a checkpoint: from before the prompts of a batch generated ahead; with a

@@ -59,10 +59,18 @@ def resolve_dtype(value: str, device: str) -> str:
 
 def group_buffer(cfg) -> int:
     """``algorithm.group_intake=completion``: the most groups drawn and not yet trained (generating, or done and
-    waiting for a step); ``algorithm.group_buffer``, or two batches when 0, so that the next batch's groups generate
-    beside the slowest of this one's."""
+    waiting for a step); ``algorithm.group_buffer``, or when 0 the (max_staleness + 1) batches the staleness bound
+    lets the stream draw ahead of the trainer anyway (``r3rl.rollout.group_stream``)."""
     alg = cfg.algorithm
-    return alg.group_buffer or 2 * alg.rollout_batch_size
+    return alg.group_buffer or (alg.max_staleness + 1) * alg.rollout_batch_size
+
+
+def group_draw_limit(cfg, engine_version: int) -> int:
+    """The draw serials a stream of groups may reach while the engines serve ``engine_version``: serial k is taken
+    around step k // rollout_batch_size + 1, whose trainer is one version older than that step, so a group drawn
+    now comes out no more than ``max_staleness`` versions old if it completes in its turn."""
+    alg = cfg.algorithm
+    return (engine_version + alg.max_staleness + 1) * alg.rollout_batch_size
 
 
 def engine_concurrency(cfg) -> int:

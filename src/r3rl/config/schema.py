@@ -190,7 +190,7 @@ class GRPOConfig(Frozen):
     max_staleness: int = 0
     weight_update: str = "between_batches"  # or in_flight (max_staleness >= 1)
     group_intake: str = "batch"  # or completion (weight_update=in_flight): r3rl.rollout.group_stream
-    group_buffer: int = 0  # completion: groups drawn and not yet trained, at most (0: 2 x rollout_batch_size)
+    group_buffer: int = 0  # completion: groups drawn and not yet trained, at most (0: (max_staleness + 1) batches)
     max_generation_rounds: int = 10
     # DAPO's soft overlong punishment over the last overlong_buffer tokens before max_tokens (0: off)
     overlong_buffer: int = 0

@@ -371,7 +371,8 @@ def validate(cfg: R3RLConfig) -> None:
           f"under requests in flight: it needs algorithm.weight_update=in_flight (got {alg.weight_update})")
     # with no more groups drawn than a step takes, a step waits for the slowest of them: batch intake again
     check(alg.group_buffer == 0 or alg.group_buffer > alg.rollout_batch_size, "algorithm.group_buffer",
-          f"must be 0 (2 x rollout_batch_size = {2 * alg.rollout_batch_size}) or above "
+          f"must be 0 ((max_staleness + 1) x rollout_batch_size = "
+          f"{(alg.max_staleness + 1) * alg.rollout_batch_size}) or above "
           f"algorithm.rollout_batch_size={alg.rollout_batch_size} (a step would wait for its slowest group), "
           f"got {alg.group_buffer}")
     # seq_mask_tis's band on a sequence's geometric-mean ratio (NeMo-RL's [0.999, 1.002]) is sized for the engine

@@ -116,6 +116,28 @@ def test_no_more_groups_are_drawn_than_the_buffer_holds(pool):
         stream.close()
 
 
+def test_no_serial_past_the_allowed_limit_is_drawn_until_it_is_raised(pool):
+    """The staleness gate: with ``allow(3)`` only serials 0-2 are drawn however many slots are free; raising it to 5
+    draws two more. Fails if the limit were ignored (groups drawn under weights the bound would evict on arrival) or
+    a raise did not wake the stream."""
+    gates = Gates()
+    draw, state = sampler()
+    stream = GroupStream(draw, gates.generate, capacity=8)
+    stream.allow(3)
+    stream.start(pool.submit)
+    try:
+        wait_started(gates, 3)
+        threading.Event().wait(0.2)
+        assert gates.started == [0, 1, 2] and state()["position"] == 3
+        stream.allow(5)
+        wait_started(gates, 5)
+        threading.Event().wait(0.2)
+        assert sorted(gates.started) == [0, 1, 2, 3, 4]
+    finally:
+        gates.open(*range(20))
+        stream.close()
+
+
 def test_a_checkpoint_state_resumes_with_no_group_lost_or_drawn_twice(pool):
     """A state taken mid-stream, loaded by a fresh stream: the groups pending at the save are generated again, under
     their serials, and the sampler continues after its last draw; over the two streams every draw is taken exactly
