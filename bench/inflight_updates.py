@@ -124,24 +124,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="outputs/inflight")
+    parser.add_argument("--modes", default=",".join(MODES), help="a subset of the modes, comma-separated")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps must be >= 3 (step 1 is left out)")
+    modes = [m for m in MODES if m in args.modes.split(",")]
     results = {label: run(label, args.steps, Path(args.out) / label.replace(" ", "_"), args.overrides)
-               for label in MODES}
+               for label in modes}
 
     table = Table(title=f"{args.steps} steps, rates and means over steps 2..{args.steps}")
     table.add_column("figure")
-    for label in MODES:
+    for label in modes:
         table.add_column(label, justify="right")
 
     def row(name: str, cell) -> None:
-        table.add_row(name, *(cell(results[label]) for label in MODES))
+        table.add_row(name, *(cell(results[label]) for label in modes))
 
-    base = results["in turn"]["rate"]
-    row("trained samples / s, ratio to in turn", lambda r: f"{r['rate'] / base:.2f}")
+    base = results[modes[0]]["rate"]
+    row(f"trained samples / s, ratio to {modes[0]}", lambda r: f"{r['rate'] / base:.2f}")
     row("engine idle share during the steps", lambda r: f"{r['idle']:.2f}")
+    for stage in ("rollout", "weight_sync", "logprobs", "train"):
+        row(f"s per step: {stage}" + (" (waiting for samples)" if stage == "rollout" else ""),
+            lambda r, k=M.perf_time_key(stage): f"{mean(r['rows'], k):.2f}")
     row("response length mean / max", lambda r: f"{mean(r['rows'], M.RESPONSE_LENGTH_MEAN):.1f} / "
                                                 f"{max(x.get(M.RESPONSE_LENGTH_MAX, 0) for x in r['rows']):.0f}")
     row("staleness per token (versions)", lambda r: f"{mean(r['rows'], M.STALENESS_TOKEN_MEAN):.2f}")
@@ -157,6 +162,8 @@ def main() -> None:
                                                           f"{mean(r['rows'], M.LOGPROB_ABS_DIFF_NO_REPLAY):.3g}")
     row("held-out gain +- se (clustered by problem)", lambda r: f"{r['gain'][0]:+.3f} +- {r['gain'][1]:.3f}")
     Console(width=160).print(table)
+    if not {"one step ahead", "in flight", "completion order"} <= set(results):
+        return
     ahead = results["one step ahead"]
     print(f"in flight, batch intake: samples/s / one-step-ahead {results['in flight']['rate'] / ahead['rate']:.2f}")
     # the last line is the whole in-flight design: updates under the requests and groups taken as they complete

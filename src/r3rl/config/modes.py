@@ -68,9 +68,10 @@ def group_buffer(cfg) -> int:
 def group_draw_limit(cfg, engine_version: int) -> int:
     """The draw serials a stream of groups may reach while the engines serve ``engine_version``: serial k is taken
     around step k // rollout_batch_size + 1, whose trainer is one version older than that step, so a group drawn
-    now comes out no more than ``max_staleness`` versions old if it completes in its turn."""
+    now comes out no more than ``max_staleness`` versions old if it completes in its turn; and none past what the
+    run's last step takes (``run.num_steps`` batches: more would be generated for nothing)."""
     alg = cfg.algorithm
-    return (engine_version + alg.max_staleness + 1) * alg.rollout_batch_size
+    return min(engine_version + alg.max_staleness + 1, cfg.run.num_steps) * alg.rollout_batch_size
 
 
 def engine_concurrency(cfg) -> int:
