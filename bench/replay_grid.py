@@ -1,12 +1,12 @@
-"""The replay x correction grid the README quotes: `replay=none,r2,r3` x `correction=none,tis`, same seeds and data.
+"""The replay x correction grid the docs quote (docs/r3.md): `replay=none,r2,r3` x `correction=none,tis`, same seeds and data.
 
-    python bench/replay_grid.py [--out outputs/replay_grid] [--write-readme] [override ...]
+    python bench/replay_grid.py [--out outputs/replay_grid] [--write-docs] [override ...]
 
 Runs ``python run.py replay=<mode> correction=<name>`` (the default CPU recipe, SFT warm start cached and shared,
 ``rollout=vllm_r3`` so every run gets the engine's routes and R3 is a choice of replay only) one after the other,
 each into its own folder under ``--out``, reads their W&B offline files and prints, per run, the mean over steps of
 the mismatch figures (with the standard error of that mean where the figure has one) under the definitions in the
-README's metrics tables. ``--write-readme`` replaces the ``replay_grid`` block of README.md and redraws
+metric reference. ``--write-docs`` replaces the ``replay_grid`` block of docs/r3.md and redraws
 ``docs/replay_grid_tis.png`` (the dashboard's panels for the three ``correction=tis`` runs).
 """
 
@@ -31,7 +31,7 @@ CORRECTIONS = ("none", "tis")
 # hide (`python bench/replay_grid.py warm_start.enabled=true` gives the other figures)
 GRID = ("run.num_steps=4", "run.eval_every=0", "algorithm.rollout_batch_size=4", "algorithm.n_samples_per_prompt=4",
         "algorithm.global_batch_size=16", "warm_start.enabled=false")
-BEGIN = "<!-- replay_grid:begin (written by bench/replay_grid.py --write-readme; do not edit) -->"
+BEGIN = "<!-- replay_grid:begin (written by bench/replay_grid.py --write-docs; do not edit) -->"
 END = "<!-- replay_grid:end -->"
 # (column, key, digits): each figure's mean over the run's steps
 COLUMNS = (
@@ -97,11 +97,11 @@ def table(histories: dict[tuple[str, str], list[dict]], steps: int, overrides: l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/replay_grid_init")
-    parser.add_argument("--write-readme", action="store_true", help="replace the README block and the picture")
+    parser.add_argument("--write-docs", action="store_true", help="replace the block in docs/r3.md and the picture")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
-    if args.write_readme and args.overrides:
-        raise SystemExit("--write-readme quotes the grid as shipped: drop the overrides")
+    if args.write_docs and args.overrides:
+        raise SystemExit("--write-docs quotes the grid as shipped: drop the overrides")
     from r3rl.dashboard.local import write_png
     from r3rl.tracking.offline_reader import read_run
 
@@ -110,10 +110,10 @@ def main() -> None:
     histories = {cell_: [row for row in run.history if M.LOGPROB_ABS_DIFF in row] for cell_, run in runs.items()}
     block = table(histories, steps=max(len(h) for h in histories.values()), overrides=args.overrides)
     print(block)
-    if args.write_readme:
-        write_block(REPO / "README.md", block, BEGIN, END)
+    if args.write_docs:
+        write_block(REPO / "docs/r3.md", block, BEGIN, END)
         write_png([runs[r, "tis"] for r in REPLAYS], REPO / "docs" / "replay_grid_tis.png")
-        print("README.md and docs/replay_grid_tis.png: replaced")
+        print("docs/r3.md and docs/replay_grid_tis.png: replaced")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What drives R3's effect on the tiny model: a sweep of model shape, router and dtype on the SFT-warm-started model.
 
-    python bench/routing_regime.py [--out outputs/routing_regime] [--steps 16] [--points 'a;b'] [--write-readme]
+    python bench/routing_regime.py [--out outputs/routing_regime] [--steps 16] [--points 'a;b'] [--write-docs]
                                    [--reuse] [override ...]
 
 Each point is ``python run.py`` (the default CPU recipe: SFT warm start, cached per shape under data/warm_start/,
@@ -15,7 +15,7 @@ no eval, one after the other on this machine. Per point it prints, from the run'
   the expert load imbalance (MaxVio), which explain a flip rate;
 - the mean step time, and its ratio to the first point's (side by side in one run: CPU times only as ratios).
 
-``--write-readme`` replaces the ``routing_regime`` block of README.md with the table.
+``--write-docs`` replaces the ``routing_regime`` block of docs/r3.md with the table.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ POINTS = (
 # is measured, not learning)
 SWEEP = ("algorithm.rollout_batch_size=8", "algorithm.n_samples_per_prompt=8", "algorithm.global_batch_size=64",
          "run.eval_every=0", "run.resume=false")
-BEGIN = "<!-- routing_regime:begin (written by bench/routing_regime.py --write-readme; do not edit) -->"
+BEGIN = "<!-- routing_regime:begin (written by bench/routing_regime.py --write-docs; do not edit) -->"
 END = "<!-- routing_regime:end -->"
 
 
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/routing_regime")
     parser.add_argument("--steps", type=int, default=16, help="GRPO steps per point")
     parser.add_argument("--points", default=None, help="point names separated by ';' (default: all)")
-    parser.add_argument("--write-readme", action="store_true", help="replace the README block")
+    parser.add_argument("--write-docs", action="store_true", help="replace the block in docs/r3.md")
     parser.add_argument("--reuse", action="store_true", help="read the finished run of a point in --out, not rerun it")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every point")
     args = parser.parse_args()
@@ -133,8 +133,8 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--points: unknown {unknown}; known: {list(chosen)}")
         chosen = {n: chosen[n] for n in names}
-    if args.write_readme and (args.overrides or args.points):
-        raise SystemExit("--write-readme quotes the whole sweep as shipped: drop --points and the overrides")
+    if args.write_docs and (args.overrides or args.points):
+        raise SystemExit("--write-docs quotes the whole sweep as shipped: drop --points and the overrides")
     from r3rl.tracking.offline_reader import read_run
 
     out = Path(args.out).resolve()
@@ -146,9 +146,9 @@ def main() -> None:
         rows[name] = figures(history)
         print(table(rows, chosen, args.steps, args.overrides), flush=True)
     block = table(rows, chosen, args.steps, args.overrides)
-    if args.write_readme:
-        write_block(REPO / "README.md", block, BEGIN, END)
-        print("README.md: routing_regime block replaced")
+    if args.write_docs:
+        write_block(REPO / "docs/r3.md", block, BEGIN, END)
+        print("docs/r3.md: routing_regime block replaced")
 
 
 if __name__ == "__main__":

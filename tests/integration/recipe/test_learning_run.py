@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # The default CPU recipe (its warm start, cached like make run's), shortened to 20 GRPO steps with an eval point
 # before and after them on 128 held-out problems x 8 samples (the held-out split: no warm-start or GRPO problem, each
 # problem once, 'a + b' and 'b + a' being one). The default 60-step run's gain is about 1.4 of its standard errors at
-# step 10 and 4.2 at step 20 (README, "Training trains"), and a 20-step run's cosine ends its lr there: 20 steps leave
+# step 10 and 4.2 at step 20 (docs/training.md), and a 20-step run's cosine ends its lr there: 20 steps leave
 # a margin over the 2 asserted. Eval requests and rollouts are seeded, so the run is the same run every time.
 STEPS = 20
 SHORT = (f"run.num_steps={STEPS}", f"run.eval_every={STEPS}", "eval.sets.arithmetic.n_samples_per_prompt=8")

@@ -1,4 +1,4 @@
-"""bench/readme_figures.py: the README quotes exactly the block the script prints for the default run."""
+"""bench/readme_figures.py and bench/replay_grid.py: the docs pages quote exactly the blocks the scripts print."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_block_from_a_run_replaces_the_readme_block_whole(figures, make_step_met
     assert block.startswith(figures.BEGIN) and block.endswith(figures.END)
 
     readme = tmp_path / "README.md"
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "benchmarks.md").read_text()
     assert text.count(figures.BEGIN) == 1 and text.count(figures.END) == 1
     readme.write_text(text)
     figures.write_block(readme, block, figures.BEGIN, figures.END)
@@ -50,8 +50,8 @@ def test_block_from_a_run_replaces_the_readme_block_whole(figures, make_step_met
 
 
 def test_grid_block_has_a_row_per_run_and_the_paired_figure_only_under_r3(make_step_metrics, tmp_path):
-    """bench/replay_grid.py's README block: one row per (replay, correction) run with each figure's mean over steps,
-    the paired "replay removes" only where the run had R3's paired pass, and the block found once in README.md and
+    """bench/replay_grid.py's docs block: one row per (replay, correction) run with each figure's mean over steps,
+    the paired "replay removes" only where the run had R3's paired pass, and the block found once in docs/r3.md and
     replaced whole. Fails if a column reads a key the recipe no longer logs (the cells turn to "-"), or if the
     paired figure is filled in for a run without the paired pass."""
     spec = importlib.util.spec_from_file_location("replay_grid", REPO / "bench" / "replay_grid.py")
@@ -68,7 +68,7 @@ def test_grid_block_has_a_row_per_run_and_the_paired_figure_only_under_r3(make_s
         cells = [c.strip() for c in row.strip("|").split(" | ")]
         assert "-" not in cells[2:-1], row  # every figure of the grid is logged by every run
         assert (cells[-1] != "-") == (cells[0] == "r3"), row
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "r3.md").read_text()
     assert text.count(grid.BEGIN) == 1 and text.count(grid.END) == 1
     readme = tmp_path / "README.md"
     readme.write_text(text)
