@@ -24,6 +24,7 @@ def bare_recipe(monkeypatch, synced: list, *, in_flight: bool) -> GRPORecipe:
                         lambda self, version, in_flight=False: synced.append((version, in_flight)))
     recipe = GRPORecipe.__new__(GRPORecipe)  # only the attributes the guard reads: no engine, no trainer
     recipe.in_flight = in_flight
+    recipe.stream = None  # batch intake
     recipe.client, recipe.live_clients = Client(), [Client()]
     return recipe
 
