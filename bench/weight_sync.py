@@ -132,7 +132,7 @@ def main() -> None:
         cfg = compose(["model=tiny_moe", "parallelism=cpu", *overrides, f"model.checkpoint={model_dir}",
                        "model.generate_if_missing=false", "rollout.engine.dtype=float32",
                        "rollout.engine.max_model_len=256", "rollout.sampling.max_tokens=64",
-                       f"rollout.engine.base_port={free_port()}", f"rollout.weight_sync.bucket_mb={args.bucket_mb}"])
+                       f"rollout.weight_sync.bucket_mb={args.bucket_mb}"])
         tokenizer = build_tokenizer(1024)
         hf_config = build_hf_config(cfg.model, tokenizer.convert_tokens_to_ids("<|im_end|>"),
                                     tokenizer.convert_tokens_to_ids("<|endoftext|>"))

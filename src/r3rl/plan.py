@@ -32,19 +32,24 @@ def node_ip_placeholder(node: int) -> str:
     return f"<ip of node {node}>"
 
 
+# Stands for a port the engine takes on its own node when it starts (``rollout.engine.base_port: null``): which one
+# is free is known there, not when the plan is made (``with_port``).
+FREE_PORT = "<free port>"
+
+
 @dataclass(frozen=True)
 class EngineLaunch:
     index: int
     node: int
     gpus: tuple[int, ...]
     host: str
-    port: int
+    port: int | None  # None: a free port of its node, taken at start
     argv: tuple[str, ...]
     env: dict[str, str] = field(hash=False)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.host}:{FREE_PORT if self.port is None else self.port}"
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,11 @@ def with_node_ip(launch: EngineLaunch, node_ip: str) -> EngineLaunch:
                    argv=tuple(a.replace(mark, node_ip) for a in launch.argv))
 
 
+def with_port(launch: EngineLaunch, port: int) -> EngineLaunch:
+    """``launch`` listening on ``port``, for a launch whose port is taken at start (``FREE_PORT`` in its argv)."""
+    return replace(launch, port=port, argv=tuple(str(port) if a == FREE_PORT else a for a in launch.argv))
+
+
 def weight_sync_backend(cfg: R3RLConfig) -> str:
     """``rollout.weight_sync.backend`` resolved: ``auto`` -> disk for an attached engine (not started with our
     transfer config), r3rl_gloo on the CPU profile, ipc when engines share the trainer's GPUs, nccl otherwise."""
@@ -130,14 +140,14 @@ def weight_sync_backend(cfg: R3RLConfig) -> str:
     return "ipc" if cfg.parallelism.colocated else "nccl"
 
 
-def engine_argv(cfg: R3RLConfig, port: int, dtype: str, node: int) -> list[str]:
+def engine_argv(cfg: R3RLConfig, port: int | None, dtype: str, node: int) -> list[str]:
     m, ro, par = cfg.model, cfg.rollout, cfg.parallelism
     eng = ro.engine
     argv = [
         *server_command(par.device, m.checkpoint),
         "--served-model-name", m.name,
         "--host", engine_bind_host(cfg, node),
-        "--port", str(port),
+        "--port", FREE_PORT if port is None else str(port),
         "--dtype", dtype,
         "--seed", str(ro.sampling.seed),
         "--max-model-len", str(eng.max_model_len),
@@ -310,11 +320,12 @@ def build_plan(cfg: R3RLConfig, resume_format: str | None = None) -> LaunchPlan:
     trainer_dtype = resolve_dtype(cfg.trainer.params_dtype, device)
     engines: tuple[EngineLaunch, ...] = ()
     if cfg.rollout.engine.url is None:
+        base = cfg.rollout.engine.base_port
         engines = tuple(
             EngineLaunch(
                 index=e.index, node=e.node, gpus=e.gpus, host=engine_url_host(cfg, e.node),
-                port=cfg.rollout.engine.base_port + e.index,
-                argv=tuple(engine_argv(cfg, cfg.rollout.engine.base_port + e.index, engine_dtype, e.node)),
+                port=None if base is None else base + e.index,
+                argv=tuple(engine_argv(cfg, None if base is None else base + e.index, engine_dtype, e.node)),
                 env=engine_env(cfg, e.gpus),
             )
             for e in placement.engines

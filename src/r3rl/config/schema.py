@@ -97,7 +97,7 @@ class ParallelismConfig(Frozen):
 class EngineConfig(Frozen):
     url: Optional[str] = None
     host: str = "auto"
-    base_port: int = 8100
+    base_port: Optional[int] = None
     dtype: str = "auto"
     max_model_len: int = 4096
     gpu_memory_utilization: Optional[float] = None

@@ -225,8 +225,10 @@ def validate(cfg: R3RLConfig) -> None:
           f"attaches to one server, but parallelism.rollout.num_engines={par.rollout.num_engines}")
     check(ro.engine.url is None or ro.engine.url.startswith(("http://", "https://")), "rollout.engine.url",
           f"must look like http://HOST:PORT, got {ro.engine.url!r}")
-    check(1024 <= ro.engine.base_port and ro.engine.base_port + par.rollout.num_engines <= 65535,
-          "rollout.engine.base_port", f"engines need ports {ro.engine.base_port}..+{par.rollout.num_engines} in 1024-65535")
+    check(ro.engine.base_port is None
+          or (1024 <= ro.engine.base_port and ro.engine.base_port + par.rollout.num_engines <= 65535),
+          "rollout.engine.base_port",
+          f"engines need ports {ro.engine.base_port}..+{par.rollout.num_engines} in 1024-65535 (null: free ones)")
     check(ro.engine.max_concurrency is None or ro.engine.max_concurrency >= 1, "rollout.engine.max_concurrency",
           "must be null or >= 1")
     check(ro.engine.route_store_bytes is None or (ro.routing_replay and ro.engine.route_store_bytes > 0),

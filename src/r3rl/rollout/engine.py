@@ -23,13 +23,16 @@ from urllib.parse import urlparse
 
 import httpx
 
-from r3rl.plan import EngineLaunch
+from r3rl.net import free_port
+from r3rl.plan import EngineLaunch, with_port
 from r3rl.rollout import _proctree
 from r3rl.rollout.errors import EngineError
 
 __all__ = ["EngineError", "VLLMEngine"]
 
 LOG_TAIL_LINES = 60
+FREE_PORT_TRIES = 3
+PORT_TAKEN = "Address already in use"  # the server's bind error (errno EADDRINUSE), in its log
 
 # Sets PR_SET_PDEATHSIG, then becomes the real server with execvp: the server keeps its PID and its exact argv.
 # The parent PID is checked after prctl so a parent that died in between is not missed.
@@ -133,11 +136,20 @@ class VLLMEngine:
 
         ``die_with_parent`` (default: when called from the main thread) asks the kernel to SIGTERM the server when
         this process dies; off the main thread it would fire when the launching *thread* exits, so it is not used.
+        A launch without a port (``rollout.engine.base_port: null``) takes a free one of this node, and another
+        when the server finds it taken by the time it binds.
         Raises ``EngineError`` with the log tail when the server exits, is not healthy within the timeout, or fails
         the check; the server is stopped first.
         """
-        engine = cls.spawn(launch, log_dir, die_with_parent=die_with_parent)
-        engine.wait_healthy(startup_timeout_s, poll_interval_s)
+        for attempt in range(1, FREE_PORT_TRIES + 1):
+            engine = cls.spawn(launch, log_dir, die_with_parent=die_with_parent)
+            try:
+                engine.wait_healthy(startup_timeout_s, poll_interval_s)
+                break
+            except EngineError as err:
+                # a free port taken at start can be taken by someone else before the server binds it: take another
+                if launch.port is not None or attempt == FREE_PORT_TRIES or PORT_TAKEN not in (err.log_tail or ""):
+                    raise
         if check:
             engine.check(launch.argv)
         return engine
@@ -156,6 +168,8 @@ class VLLMEngine:
     @classmethod
     def spawn(cls, launch: EngineLaunch, log_dir: Path, *, die_with_parent: bool | None = None) -> VLLMEngine:
         """Start the server process without waiting for it (``launch`` waits and checks)."""
+        if launch.port is None:
+            launch = with_port(launch, free_port(launch.host))
         if _port_answers(launch.host, launch.port):
             raise EngineError(f"engine {launch.index}: port {launch.port} on {launch.host} is already in use; "
                               "another server there would answer our health checks", url=launch.url)

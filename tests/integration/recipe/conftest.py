@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from r3rl.net import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -30,7 +29,7 @@ EVAL_KEYS = ("eval/arithmetic/avg@2", "eval/arithmetic/pass@2", "eval/arithmetic
 
 def recipe_cmd(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}",
-            f"rollout.engine.base_port={free_port()}", *PLUMBING, *SMALL_STEP, *SMALL_EVAL, *overrides]
+            *PLUMBING, *SMALL_STEP, *SMALL_EVAL, *overrides]
 
 
 def run_recipe(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import torch
 
 from r3rl.config.schema import SamplingConfig
 
-from .conftest import PLUMBING, SMALL_STEP, assert_nothing_left, free_port
+from .conftest import PLUMBING, SMALL_STEP, assert_nothing_left
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def test_colocated_engine_serves_the_trainers_weights_after_a_step(tmp_path, com
     cfg = compose_cfg("parallelism=cpu", *PLUMBING, "parallelism.colocated=true", "parallelism.gpus_per_node=1",
                       f"run.output_dir={tmp_path}", "run.num_steps=1", "run.eval_every=0",
                       "rollout.engine.dtype=float32",
-                      "logger.wandb.mode=disabled", f"rollout.engine.base_port={free_port()}", *SMALL_STEP,
+                      "logger.wandb.mode=disabled", *SMALL_STEP,
                       # a large step so one update visibly moves the log-probs
                       "trainer.lr=0.01")
     recipe = GRPORecipe(cfg)

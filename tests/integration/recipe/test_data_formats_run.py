@@ -9,7 +9,7 @@ import pytest
 
 from r3rl import metrics as M
 
-from .conftest import REPO, SMALL_STEP, assert_nothing_left, free_port, wandb_runs
+from .conftest import REPO, SMALL_STEP, assert_nothing_left, wandb_runs
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def test_gsm8k_parquet_runs_two_steps_graded_by_math_verify(tmp_path, tiny_model
     pq.write_table(pa.Table.from_pylist(rows), data)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "run.py", "parallelism=cpu", "data=gsm8k", f"data.path={data}", "warm_start.enabled=false",
-           f"run.output_dir={run_dir}", f"rollout.engine.base_port={free_port()}", "run.num_steps=2",
+           f"run.output_dir={run_dir}", "run.num_steps=2",
            "run.eval_every=0", *SMALL_STEP, "debug.save_rollout=" + str(tmp_path / "rollouts")]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, start_new_session=True)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from r3rl import checkpoint
-from r3rl.net import free_port
 
 from .conftest import REPO, pid_alive
 
@@ -115,7 +114,7 @@ def test_the_export_holds_the_checkpointed_trainers_weights_in_transformers_and_
     cfg = freeze(dataclasses.replace(
         run_cfg, model=dataclasses.replace(run_cfg.model, checkpoint=str(out), generate_if_missing=False),
         rollout=dataclasses.replace(run_cfg.rollout, engine=dataclasses.replace(
-            run_cfg.rollout.engine, dtype="float32", base_port=free_port()))))
+            run_cfg.rollout.engine, dtype="float32"))))
     engine = VLLMEngine.launch(build_plan(cfg).engines[0], tmp_path / "engine-logs",
                                cfg.rollout.engine.startup_timeout_s)
     try:

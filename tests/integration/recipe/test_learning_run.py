@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from r3rl.eval.records import paired_gain
-from r3rl.net import free_port
 
 from .conftest import REPO, assert_nothing_left, wandb_runs
 
@@ -35,7 +34,7 @@ def test_a_short_learning_run_raises_the_held_out_score(tmp_path):
     them)."""
     run_dir = tmp_path / "learn"
     cmd = [sys.executable, "run.py", "parallelism=cpu", f"run.output_dir={run_dir}",
-           f"rollout.engine.base_port={free_port()}", *SHORT]
+           *SHORT]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run,) = wandb_runs(run_dir)

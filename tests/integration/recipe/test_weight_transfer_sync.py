@@ -17,7 +17,7 @@ from r3rl import checkpoint
 from r3rl.config.schema import SamplingConfig
 from r3rl.sync.disk import weight_version
 
-from .conftest import PLUMBING, SMALL_STEP, assert_nothing_left, free_port, pid_alive, start_recipe, wait_for
+from .conftest import PLUMBING, SMALL_STEP, assert_nothing_left, pid_alive, start_recipe, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ EP2 = ("parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2", "paralle
 def sync_cfg(compose_cfg, tmp_path, *overrides: str):
     return compose_cfg("parallelism=cpu", *PLUMBING, *SMALL_STEP, *EP2, f"run.output_dir={tmp_path}",
                        "run.eval_every=0", "rollout.engine.dtype=float32", "logger.wandb.mode=disabled",
-                       f"rollout.engine.base_port={free_port()}", "rollout.weight_sync.bucket_mb=0.5",
+                       "rollout.weight_sync.bucket_mb=0.5",
                        # a large step so one update visibly moves the log-probs
                        "trainer.lr=0.01", *overrides)
 

@@ -6,15 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
-from r3rl.net import free_port
 
 
 def engine_cfg(*overrides: str):
-    """The tiny-MoE CPU config with a float32 engine on a free port (each call: a new port)."""
+    """The tiny-MoE CPU config with a float32 engine (on a free port, the default)."""
     from r3rl.config import compose
 
     return compose(["model=tiny_moe", "parallelism=cpu", "rollout.engine.dtype=float32",
-                    f"rollout.engine.base_port={free_port()}", *overrides])
+                    *overrides])
 
 
 class HFReference:

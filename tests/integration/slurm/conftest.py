@@ -21,7 +21,7 @@ PORT_NAMES = (
     "DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT",
 )
 WORKER_PORTS = 100
-# the recipe's vLLM engines (rollout.engine.base_port and up): a shared machine may run other engines on 8100
+# the recipe's vLLM engines, pinned here (rollout.engine.base_port and up) to keep that path tested on two nodes
 ENGINE_PORTS = 4
 
 

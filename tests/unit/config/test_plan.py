@@ -128,9 +128,9 @@ def test_engines_of_a_multi_node_plan_bind_to_their_nodes_address(compose_cfg):
     that node knows: the plan names it, the engine's host actor fills it in."""
     from r3rl.plan import with_node_ip
 
-    one = build_plan(compose_cfg("parallelism=cpu"))
+    one = build_plan(compose_cfg("parallelism=cpu", "rollout.engine.base_port=8100"))
     assert [e.url for e in one.engines] == ["http://127.0.0.1:8100"]
-    two = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_2n_8p8"))
+    two = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_2n_8p8", "rollout.engine.base_port=8100"))
     assert [(e.node, e.url) for e in two.engines] == [(1, "http://<ip of node 1>:8100"),
                                                       (1, "http://<ip of node 1>:8101")]
     launched = with_node_ip(two.engines[0], "10.1.2.3")
@@ -139,8 +139,25 @@ def test_engines_of_a_multi_node_plan_bind_to_their_nodes_address(compose_cfg):
     assert not any("<ip of" in a for a in launched.argv)
 
 
+def test_engines_take_free_ports_of_their_node_unless_one_is_pinned(compose_cfg):
+    """By default no plan names a port (two runs on one machine would collide on it): the launch carries a
+    placeholder the engine's node fills with a free port (``with_port``), and no pinned number reaches vLLM. Fails
+    if ``rollout.engine.base_port`` gets a fixed default again or ``with_port`` leaves the placeholder in argv."""
+    from r3rl.plan import FREE_PORT, with_port
+
+    two = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_2n_8p8")).engines
+    assert len(two) == 2 and all(e.port is None for e in two)
+    assert all(e.argv[e.argv.index("--port") + 1] == FREE_PORT and e.url.endswith(FREE_PORT) for e in two)
+    started = with_port(two[1], 41234)
+    assert started.url == "http://<ip of node 1>:41234" and started.argv[started.argv.index("--port") + 1] == "41234"
+    assert FREE_PORT not in started.argv
+    pinned = build_plan(compose_cfg("model=qwen3_30b", "parallelism=disaggregated_2n_8p8",
+                                    "rollout.engine.base_port=9000")).engines
+    assert [e.port for e in pinned] == [9000, 9001]
+
+
 def test_engine_host_key_chooses_the_bind_address(compose_cfg):
-    base = ("model=qwen3_30b", "parallelism=disaggregated_2n_8p8")
+    base = ("model=qwen3_30b", "parallelism=disaggregated_2n_8p8", "rollout.engine.base_port=8100")
     every = build_plan(compose_cfg(*base, "rollout.engine.host=0.0.0.0")).engines[0]
     # bound to every interface, reached at the node's own address
     assert every.argv[every.argv.index("--host") + 1] == "0.0.0.0" and every.url == "http://<ip of node 1>:8100"

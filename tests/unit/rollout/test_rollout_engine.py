@@ -85,6 +85,56 @@ def test_launch_refuses_a_port_someone_listens_on(compose_cfg, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing was started
 
 
+_HEALTH_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_free_port_taken_before_the_server_binds_it_is_replaced(monkeypatch, tmp_path):
+    """The race of free ports: the port the launcher picked is bound by someone else before the server binds it.
+    The race cannot be caused on cue, so the launcher is handed a port another socket holds bound (not listening:
+    the launcher's own in-use check passes, the server's bind fails with EADDRINUSE). A real server process (a
+    stand-in answering /health; no vLLM needed to bind) then comes up on the next free port. Fails if the launch
+    gives up on the first bind error, retries a pinned port, or leaves the placeholder in the server's argv."""
+    import r3rl.rollout.engine as engine_mod
+    from r3rl.net import free_port
+    from r3rl.plan import FREE_PORT, EngineLaunch
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    taken = held.getsockname()[1]
+    ports = iter([taken])
+    monkeypatch.setattr(engine_mod, "free_port", lambda host: next(ports, None) or free_port(host))
+    launch = EngineLaunch(index=0, node=0, gpus=(), host="127.0.0.1", port=None, env={},
+                          argv=("python", "-c", _HEALTH_SERVER, "--port", FREE_PORT))
+    try:
+        engine = VLLMEngine.launch(launch, tmp_path, 30, check=False)
+    finally:
+        held.close()
+    try:
+        port = int(engine.url.rsplit(":", 1)[1])
+        assert port != taken
+        logs = sorted(p.name for p in tmp_path.iterdir())
+        assert len(logs) == 2 and logs[1] != logs[0]  # one log per port tried: the failed bind is kept
+        assert "Address already in use" in (tmp_path / f"engine0-{taken}.log").read_text()
+        assert f"engine0-{port}.log" in logs
+    finally:
+        engine.shutdown()
+    pinned = EngineLaunch(index=0, node=0, gpus=(), host="127.0.0.1", port=free_port(), env={},
+                          argv=("python", "-c", "import sys; sys.exit('Address already in use')"))
+    with pytest.raises(EngineError, match="exited with code"):
+        VLLMEngine.launch(pinned, tmp_path / "pinned", 30, check=False)
+    assert len(list((tmp_path / "pinned").iterdir())) == 1  # a pinned port is the user's: never another
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
