@@ -19,19 +19,10 @@ from omegaconf import DictConfig
 
 from r3rl.config import ConfigError, compose, load_config, register_configs
 from r3rl.preflight import preflight
-from r3rl.platform import default_parallelism
+from r3rl.platform import with_default_parallelism
 
 # flags of Hydra's app (multirun, --cfg, --help, ...): those command lines go to the app unchecked
 _APP_FLAG = "-"
-
-
-def _with_default_parallelism(argv: list[str]) -> list[str]:
-    """Pick parallelism from the machine when the command line does not (an experiment may set it too)."""
-    if any(a.split("=", 1)[0].lstrip("~+") in ("parallelism", "experiment") for a in argv[1:]):
-        return argv
-    if any(a in ("--help", "-h", "--info", "--cfg", "-c", "--hydra-help") for a in argv[1:]):
-        return argv
-    return argv + [f"parallelism={default_parallelism()}"]
 
 
 def settle_before_start(argv: list[str]) -> None:
@@ -85,6 +76,6 @@ def main(raw: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
-    sys.argv = _with_default_parallelism(sys.argv)
+    sys.argv = sys.argv[:1] + with_default_parallelism(sys.argv[1:])
     settle_before_start(sys.argv)
     main()

@@ -20,3 +20,13 @@ def visible_gpu_count() -> int:
 def default_parallelism() -> str:
     """The parallelism group used when the command line names none."""
     return "disaggregated_4p4" if visible_gpu_count() > 0 else "cpu"
+
+
+def with_default_parallelism(overrides: list[str]) -> list[str]:
+    """``overrides`` with the machine's parallelism group when they name none (an experiment may set it too), and
+    unchanged when they ask Hydra for help or the config itself."""
+    if any(a.split("=", 1)[0].lstrip("~+") in ("parallelism", "experiment") for a in overrides):
+        return overrides
+    if any(a in ("--help", "-h", "--info", "--cfg", "-c", "--hydra-help") for a in overrides):
+        return overrides
+    return overrides + [f"parallelism={default_parallelism()}"]

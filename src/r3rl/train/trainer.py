@@ -793,6 +793,15 @@ class MegatronTrainer:
             distributed.seed_all(self.cfg.run.seed + self.optimizer_step)
         return loaded["r3rl"]["extra"]
 
+    def router_inventory(self) -> dict[str, Any]:
+        """The routers this rank built (a pipeline stage holds its own): their 0-based decoder layers and weight
+        dtype, with the params and router compute dtypes (``python -m r3rl.doctor``'s layer map and precision)."""
+        weights = sorted({str(r.weight.dtype).removeprefix("torch.") for r in self.routers})
+        return {"layers": [int(r.layer_number) - 1 for r in self.routers],
+                "router_weight_dtype": ",".join(weights) or "none",
+                "params_dtype": str(self.settings.dtype).removeprefix("torch."),
+                "router_compute_dtype": self.settings.transformer.get("moe_router_dtype") or "params"}
+
     def shutdown(self) -> None:
         if self._closed:
             return

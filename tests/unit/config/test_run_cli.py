@@ -83,16 +83,16 @@ def test_refused_config_writes_nothing(tmp_path):
 
 
 def test_parallelism_defaults_to_the_machine_unless_named(monkeypatch):
-    sys.path.insert(0, str(REPO))
-    import run
+    """run.py and the doctor add the machine's parallelism group; fails if a named group or experiment were
+    overridden, or Hydra's own flags got a group appended."""
+    from r3rl import platform
 
     # No GPU can be made to appear here: stand in for the detection (both answers), the rest is real.
     for found in ("cpu", "disaggregated_4p4"):
-        monkeypatch.setattr(run, "default_parallelism", lambda found=found: found)
-        assert run._with_default_parallelism(["run.py", "model=tiny_moe"]) == ["run.py", "model=tiny_moe",
-                                                                                f"parallelism={found}"]
+        monkeypatch.setattr(platform, "default_parallelism", lambda found=found: found)
+        assert platform.with_default_parallelism(["model=tiny_moe"]) == ["model=tiny_moe", f"parallelism={found}"]
     for named in (["parallelism=colocated"], ["experiment=qwen3_30b_r3_4p4"], ["--cfg", "job"]):
-        assert run._with_default_parallelism(["run.py", *named]) == ["run.py", *named]
+        assert platform.with_default_parallelism(named) == named
 
 
 def test_cpu_profile_is_refused_where_gpus_are_present(compose_cfg):

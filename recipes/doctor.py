@@ -1,0 +1,131 @@
+"""``python -m r3rl.doctor``: the run's own stack, started briefly, checked against the R3 contract.
+
+The doctor is the GRPO recipe's setup (Ray, the trainer ranks in the configured layout, the engines launched or
+attached, the weight sync), then one batch of the run's own prompts through it, then the checks of
+``r3rl.doctor.checks`` on what came back: no step is logged and nothing is saved. Each check runs whatever another
+check found; an exception inside one is that check's FAIL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from r3rl.config.schema import R3RLConfig
+from r3rl.doctor import checks as C
+from r3rl.doctor.checks import Check
+from r3rl.models.tiny_moe import ensure_checkpoint
+from recipes.common import console
+from recipes.grpo import GRPORecipe
+
+# the doctor's own batch number: its requests' seeds and ids never collide with a run's steps
+DOCTOR_STEP = 1
+
+
+class Doctor(GRPORecipe):
+    def __init__(self, cfg: R3RLConfig):
+        super().__init__(cfg)
+        self.results: list[Check] = []
+
+    def examine(self) -> list[Check]:
+        cfg, model = self.cfg, self.cfg.model
+        engine_dtype = self.plan.engine_dtype
+        with console.status("doctor: generating one batch of the run's prompts"):
+            prompts = next(self.dataset.batches(cfg.algorithm.rollout_batch_size))
+            samples, _ = self.rollout(DOCTOR_STEP, prompts)
+        routed = samples[0].routed_experts is not None
+        no_routes = "the engine returns no routes (rollout=vllm): use rollout=vllm_r3"
+
+        self.check("engine capture", lambda: C.engine_capture(
+            samples, num_layers=model.num_layers, topk=model.moe_topk, num_experts=model.num_experts)
+            if routed else C.skipped("engine capture", no_routes))
+
+        inventory = self.trainers.call_all("router_inventory")
+        hf_config = json.loads((Path(ensure_checkpoint(model)) / "config.json").read_text())
+        trainer_layers = sorted({layer for rank in inventory for layer in rank["layers"]})
+        self.check("layer map", lambda: C.layer_map(
+            C.hf_moe_layers(hf_config), samples[0].routed_experts.shape[1] if routed else None, trainer_layers))
+
+        batch = ray.put(samples)
+        with console.status("doctor: the trainer's passes without and with replay, and their controls"):
+            live = self.trainers.call("logprobs", batch, replay=False)
+            replayed = self.trainers.call("logprobs", batch, replay=True) if routed else None
+        unreplayed_diff = C.mean_abs_diff(live.logprobs, samples)
+
+        def routes_check() -> Check:
+            control = self.trainers.call("logprobs", ray.put(C.well_formed_random_routes(
+                samples, model.num_experts, seed=cfg.run.seed)), replay=False)
+            return C.routes_are_the_models(live.flip_per_layer, control.flip_per_layer, unreplayed_diff,
+                                           engine_dtype=engine_dtype)
+
+        def replay_check() -> Check:
+            shifted = self.trainers.call("logprobs", ray.put(C.shifted_routes(samples)), replay=True)
+            return C.replay_exact(replayed.replay_mismatch_rows, replayed.replayed_routes_match,
+                                  C.mean_abs_diff(replayed.logprobs, samples), unreplayed_diff,
+                                  shifted.flip_per_layer, engine_dtype=engine_dtype, layout=self.layout())
+
+        self.check("routes are the model's", routes_check if routed else
+                   lambda: C.skipped("routes are the model's", no_routes))
+        self.check("replay is exact", replay_check if routed else lambda: C.skipped("replay is exact", no_routes))
+        self.check("weight sync round trip", lambda: self.weight_sync_check(
+            prompts, samples, replayed or live, engine_dtype, routed))
+        engine_argv = self.plan.engines[0].argv if self.plan.engines else ()
+        self.check("precision", lambda: C.precision(engine_dtype, engine_argv, inventory[0]))
+        if cfg.parallelism.device != "cuda":
+            self.results.append(C.skipped("GPU memory and sync time", "no GPU: peak memory per role and the weight "
+                                          "sync's time are measured against the plan on GPUs only"))
+        return self.results
+
+    def check(self, name: str, run: Callable[[], Check]) -> None:
+        """One check; an exception is its FAIL, and the next check still runs."""
+        try:
+            result = run()
+        except Exception as err:  # noqa: BLE001 - reported, not swallowed: one broken check hides no other
+            result = Check(name, C.FAIL, detail=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                           fix="see the traceback in the doctor's log and the engine logs")
+            console.print_exception(max_frames=4)
+        self.results.append(result)
+        colour = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}[result.status]
+        console.print(f"[{colour}]{result.status}[/] {result.name}: {result.figure or result.detail}")
+
+    def weight_sync_check(self, prompts, samples, before, engine_dtype: str, routed: bool) -> Check:
+        """One optimizer step on the batch (advantages +1 and -1 in turn: it moves the policy whatever the rewards),
+        then the trainer against the engine before the sync (a stale engine: the batch's own log-probs, which the
+        engine serves again for the same seeded requests) and after it, on the same requests generated again."""
+        batch = ray.put(samples)
+        advantages = [np.full(s.response_length, 1.0 if i % 2 == 0 else -1.0, dtype=np.float32)
+                      for i, s in enumerate(samples)]
+        if self.colocated:  # the GPUs go to the trainer for the step, as in a GRPO step
+            self.engine_set.sleep(self.cfg.rollout.weight_sync.sleep_level)
+            self.engines_asleep = True
+            self.trainers.call("onload_optimizer_state")
+        self.trainers.call("train_step", batch, advantages, replay=routed, old_logprobs=before.logprobs)
+        stale = C.mean_abs_diff(self.trainers.call("logprobs", batch, replay=routed).logprobs, samples)
+        self.sync_weights(version=1)
+        fresh, _ = self.rollout(DOCTOR_STEP, prompts)
+        synced = C.mean_abs_diff(self.trainers.call("logprobs", ray.put(fresh), replay=routed).logprobs, fresh)
+        return C.weight_sync(C.mean_abs_diff(before.logprobs, samples), stale, synced, engine_dtype=engine_dtype)
+
+    def layout(self) -> str:
+        t = self.cfg.parallelism.trainer
+        parts = [f"{name} {size}" for name, size in (("TP", t.tensor_parallel), ("PP", t.pipeline_parallel),
+                                                     ("CP", t.context_parallel), ("EP", t.expert_parallel))
+                 if size > 1]
+        return ", ".join(["packed" if self.cfg.trainer.packing else "padded", *parts])
+
+
+def run_doctor(cfg: R3RLConfig) -> list[Check]:
+    doctor = Doctor(cfg)
+    try:
+        doctor.setup()
+        return doctor.examine()
+    except Exception as err:  # the stack itself did not come up or broke: the checks that ran stand
+        console.print_exception(max_frames=6)
+        return [*doctor.results, Check("stack", C.FAIL, detail=f"{type(err).__name__}: {str(err).splitlines()[0]}",
+                                       fix=f"see the engine logs in {doctor.run_dir / 'logs'}")]
+    finally:
+        doctor.cleanup()

@@ -1,0 +1,239 @@
+"""The doctor's checks as pure functions of what the stack returned: samples, the trainer's passes, configs.
+
+Each check returns a ``Check``: PASS, FAIL or SKIP, the figure it rests on, and for a FAIL the key to change.
+Every check that compares against a bound also runs a control, a deliberately broken copy of the same evidence
+(random but well-formed routes, routes shifted by one row, an engine that kept the old weights), which the same
+bound must catch: a bound too loose to catch its control fails the check itself instead of passing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from r3rl import metrics as M
+from r3rl.rollout.verify import verify_samples
+from r3rl.sample import Sample
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+
+# Per-layer share of (token, layer) top-k sets the trainer's router picks otherwise than the engine, by the engine's
+# dtype: precision alone (the trainer is at least as precise) flips a few percent of near-tied rows in bf16
+# (0.3-1.3% a step on the tiny model, the figures on docs/r3.md), none in float32; the routes of another model, or
+# random ones, disagree on nearly every row (1 - 1/C(E, K) of them).
+FLIP_BOUND = {"float32": 0.02, "bfloat16": 0.20, "float16": 0.20}
+# Mean |trainer - engine| log-prob per response token the engine's dtype alone explains (the tiny model: ~2e-3 in
+# bf16, ~1e-6 in float32; large models in bf16: 1e-2 .. 3e-2, r3-contract.md §3)
+LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    figure: str = ""
+    detail: str = ""
+    fix: str = ""  # for a FAIL: what to change, naming the key
+    values: dict[str, Any] = field(default_factory=dict)  # the numbers behind the figure, for doctor.json
+
+
+def skipped(name: str, why: str) -> Check:
+    return Check(name, SKIP, detail=why)
+
+
+# ---------------------------------------------------------------------------------------------- 1. engine capture
+def engine_capture(samples: Sequence[Sample], *, num_layers: int, topk: int, num_experts: int) -> Check:
+    """Rows = tokens - 1, layers x top-k, ids in range and distinct per row (``r3rl.rollout.verify``), and no MoE
+    layer whose routes are constant over every row of every sample (a capture that stopped writes zeros, vLLM
+    #33013: well-formed, so nothing else notices)."""
+    name = "engine capture"
+    problems = verify_samples(samples, num_layers=num_layers, topk=topk, num_experts=num_experts)
+    rows = sum(s.routed_experts.shape[0] for s in samples if s.routed_experts is not None)
+    if problems:
+        return Check(name, FAIL, f"{len(problems)} problem(s) in {len(samples)} samples", problems[0],
+                     "the engine's routes break the contract: check the vLLM version and "
+                     "--enable-return-routed-experts (rollout=vllm_r3)", {"problems": problems[:20]})
+    constant = constant_layers([s.routed_experts for s in samples])
+    if constant:
+        return Check(name, FAIL, f"{len(constant)} of {num_layers} layers constant over {rows} rows",
+                     f"layer(s) {constant}: every token routed to the same experts (a stopped capture writes zeros)",
+                     "the engine's capture is not filled: check the vLLM version (vLLM #33013) and that expert "
+                     "load balancing (EPLB) is off", {"constant_layers": constant})
+    return Check(name, PASS, f"{rows} rows x {num_layers} layers x top-{topk} in {len(samples)} samples",
+                 values={"rows": rows, "samples": len(samples)})
+
+
+def constant_layers(routes: Sequence[np.ndarray]) -> list[int]:
+    """Layers whose top-k set is the same on every row of every sample (needs more than one row)."""
+    stacked = np.concatenate([np.sort(r, axis=-1) for r in routes if r is not None and len(r)], axis=0)
+    if len(stacked) < 2:
+        return []
+    same = (stacked == stacked[:1]).all(axis=(0, 2))
+    return [int(i) for i in np.flatnonzero(same)]
+
+
+# ---------------------------------------------------------------------------------------------- 2. layer map
+def hf_moe_layers(hf_config: dict[str, Any]) -> list[int]:
+    """The 0-based indices of the decoder layers with a routed MoE block, by the HF config's own rules: Qwen-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace`` and ``moe_layer_freq``.
+    Layers past ``num_hidden_layers`` (MTP / next-token-prediction modules) are never counted."""
+    n = int(hf_config["num_hidden_layers"])
+    if "first_k_dense_replace" in hf_config or "n_routed_experts" in hf_config:
+        first = int(hf_config.get("first_k_dense_replace") or 0)
+        freq = int(hf_config.get("moe_layer_freq") or 1)
+        return [i for i in range(n) if i >= first and i % freq == 0]
+    if not int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0):
+        return []
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    step = int(hf_config.get("decoder_sparse_step") or 1)
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def layer_map(hf_layers: Sequence[int], engine_layers: int | None, trainer_layers: Sequence[int]) -> Check:
+    """The MoE layers the checkpoint declares, the route layers the engine captures and the routers the trainer
+    built must be the same layers in the same order: a dense leading layer counted by one side and not the other
+    shifts every replayed layer by one (verl #5037)."""
+    name = "layer map"
+    hf, tr = list(hf_layers), list(trainer_layers)
+    values = {"hf_moe_layers": hf, "engine_route_layers": engine_layers, "trainer_router_layers": tr}
+    if tr != hf:
+        first = next((i for i, (a, b) in enumerate(zip(hf, tr)) if a != b), min(len(hf), len(tr)))
+        return Check(name, FAIL, f"checkpoint {len(hf)} MoE layers, trainer {len(tr)} routers",
+                     f"MoE layer #{first}: the checkpoint's is decoder layer {hf[first] if first < len(hf) else '-'}, "
+                     f"the trainer's router sits at {tr[first] if first < len(tr) else '-'}",
+                     "the Megatron layer spec does not match the checkpoint: check model.num_layers and the dense "
+                     "layers of the model config", values)
+    if engine_layers is not None and engine_layers != len(hf):
+        return Check(name, FAIL, f"engine captures {engine_layers} layers, the checkpoint has {len(hf)} MoE layers",
+                     "every route row would be replayed into the wrong layer from the first dense or MTP layer on",
+                     "the engine's capture counts other layers than the MoE ones (dense, MTP): check the vLLM version "
+                     "and disable speculative decoding (rollout.engine.extra_args)", values)
+    where = "engine, checkpoint and trainer" if engine_layers is not None else "checkpoint and trainer"
+    return Check(name, PASS, f"{len(hf)} MoE layers, the same in {where}", values=values)
+
+
+# ---------------------------------------------------------------------------------------------- 3. routes are the model's
+def well_formed_random_routes(samples: Sequence[Sample], num_experts: int, seed: int = 0) -> list[Sample]:
+    """The control of check 3: each sample's routes replaced by random ones that pass every shape and range check
+    (distinct ids per row), as a server serving another model's routes would send."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in samples:
+        r = s.routed_experts
+        rand = np.argsort(rng.random((*r.shape[:2], num_experts)), axis=-1)[..., :r.shape[2]].astype(r.dtype)
+        out.append(dataclasses.replace(s, routed_experts=rand))
+    return out
+
+
+def routes_are_the_models(flip_per_layer: np.ndarray, control_flip_per_layer: np.ndarray, logprob_diff: float,
+                          *, engine_dtype: str) -> Check:
+    """Without replay, the trainer's own router agrees with the engine's routes on most rows of every layer (a
+    bound set by the engine's dtype), and the two log-probs agree within the dtype's tolerance. The control (the
+    same samples with random well-formed routes) must exceed the bound."""
+    name = "routes are the model's"
+    bound, tol = FLIP_BOUND.get(engine_dtype, 0.2), LOGPROB_TOLERANCE.get(engine_dtype, 5e-2)
+    worst = float(np.nanmax(flip_per_layer))
+    control = float(np.nanmin(control_flip_per_layer))
+    values = {"flip_per_layer": [float(x) for x in flip_per_layer], "flip_bound": bound,
+              "control_min_flip": control, "logprob_abs_diff_no_replay": logprob_diff, "logprob_tolerance": tol}
+    figure = (f"flips {float(np.nanmean(flip_per_layer)):.2%} (worst layer {worst:.2%}, bound {bound:.0%}); "
+              f"|dlogp| {logprob_diff:.2e} (tolerance {tol:.0e}); random routes {control:.0%}")
+    if control <= bound:
+        return Check(name, FAIL, figure, f"random routes flip only {control:.1%} on some layer, within the bound: "
+                     "the check cannot tell the model's routes from noise here", "more samples (a larger "
+                     "algorithm.rollout_batch_size) or a model with more experts per layer", values)
+    if worst > bound:
+        layer = int(np.nanargmax(flip_per_layer))
+        return Check(name, FAIL, figure, f"layer {layer}: the trainer's router disagrees with the engine's routes on "
+                     f"{worst:.1%} of rows: these are not this checkpoint's routes",
+                     "serve the checkpoint the trainer loads (model.checkpoint, rollout.engine.url) and check the "
+                     "engine does not quantise the router (rollout.engine.extra_args)", values)
+    if logprob_diff > tol:
+        return Check(name, FAIL, figure, "the engine's log-probs are not the trainer's model within the dtype's "
+                     "tolerance", "serve the trainer's checkpoint (model.checkpoint) in rollout.engine.dtype",
+                     values)
+    return Check(name, PASS, figure, values=values)
+
+
+# ---------------------------------------------------------------------------------------------- 4. replay is exact
+def shifted_routes(samples: Sequence[Sample]) -> list[Sample]:
+    """The control of check 4: every sample's routes moved down one row (row t gets row t-1's route), the fault of
+    an off-by-one in packing, slicing or stitching."""
+    return [dataclasses.replace(s, routed_experts=np.concatenate([s.routed_experts[:1], s.routed_experts[:-1]]))
+            for s in samples]
+
+
+def replay_exact(mismatch_rows: int, routes_match: bool | None, replayed_diff: float, unreplayed_diff: float,
+                 shifted_flip_per_layer: np.ndarray, *, engine_dtype: str, layout: str) -> Check:
+    """With replay, every (token, layer) row Megatron routed equals the engine's route for that token and layer
+    (0 mismatched rows through the configured packing and parallel split), and replay does not raise the log-prob
+    mismatch. The control, routes shifted by one row and replayed, must be caught by check 3's bound."""
+    name = "replay is exact"
+    bound = FLIP_BOUND.get(engine_dtype, 0.2)
+    shifted = float(np.nanmean(shifted_flip_per_layer))
+    values = {"replay_mismatch_rows": mismatch_rows, "logprob_abs_diff": replayed_diff,
+              "logprob_abs_diff_no_replay": unreplayed_diff, "shifted_control_flip": shifted, "layout": layout}
+    figure = (f"{mismatch_rows} mismatched rows ({layout}); |dlogp| {replayed_diff:.2e} replayed vs "
+              f"{unreplayed_diff:.2e} not; one-row shift flips {shifted:.0%}")
+    if mismatch_rows or not routes_match:
+        return Check(name, FAIL, figure, "Megatron routed rows otherwise than the routes replayed into them"
+                     if mismatch_rows else "no replayed row was checked",
+                     "a replay bug in this layout: try trainer.packing=false, then a smaller parallel split "
+                     "(parallelism.trainer.*) to find the part at fault", values)
+    if shifted <= bound:
+        return Check(name, FAIL, figure, f"routes shifted by one row flip only {shifted:.1%}: a misaligned replay "
+                     "would go unnoticed", "more samples (algorithm.rollout_batch_size)", values)
+    # replay can only remove routing mismatch; more than noise added means routes landed on the wrong tokens
+    if replayed_diff > unreplayed_diff + LOGPROB_TOLERANCE.get(engine_dtype, 5e-2):
+        return Check(name, FAIL, figure, "replay made the log-prob mismatch worse: routes on the wrong tokens",
+                     "trainer.packing=false to see whether packing misplaces them", values)
+    return Check(name, PASS, figure, values=values)
+
+
+# ---------------------------------------------------------------------------------------------- 5. weight sync
+def weight_sync(before: float, stale: float, synced: float, *, engine_dtype: str) -> Check:
+    """After one optimizer step and a sync, the engine's log-probs follow the trainer's. ``before``: mismatch before
+    the step; ``stale``: the trainer after the step against the engine before the sync (what an engine that kept
+    the old weights serves, the control); ``synced``: against the engine after the sync, on a fresh batch."""
+    name = "weight sync round trip"
+    tol = max(2 * before, LOGPROB_TOLERANCE.get(engine_dtype, 5e-2) / 10)
+    values = {"before_step": before, "stale_engine": stale, "after_sync": synced, "tolerance": tol}
+    figure = f"|dlogp| before the step {before:.2e}, stale engine {stale:.2e}, after the sync {synced:.2e}"
+    if stale <= 2 * max(synced, before):
+        return Check(name, FAIL, figure, "one optimizer step moved the log-probs too little to tell a stale engine "
+                     "from a synced one", "a larger trainer.optimizer.lr for the doctor's step", values)
+    if synced > tol:
+        return Check(name, FAIL, figure, "the engine serves other weights than the trainer's after the sync",
+                     "check rollout.weight_sync.backend and the engine log for the update", values)
+    return Check(name, PASS, figure, values=values)
+
+
+# ---------------------------------------------------------------------------------------------- 7. precision
+def precision(engine_dtype: str, engine_argv: Sequence[str], trainer: dict[str, Any]) -> Check:
+    """The engine's dtype and quantisation as launched, the trainer's params and router dtypes as loaded: a
+    quantised rollout router (NeMo-RL #3614, verl #7519) or a trainer router below the trainer's precision FAILs."""
+    name = "precision"
+    argv = list(engine_argv)
+    quant = argv[argv.index("--quantization") + 1] if "--quantization" in argv[:-1] else None
+    values = {"engine_dtype": engine_dtype, "engine_quantization": quant, **trainer}
+    figure = (f"engine {engine_dtype}{f' ({quant})' if quant else ''}; trainer params {trainer['params_dtype']}, "
+              f"router weights {trainer['router_weight_dtype']}, router compute {trainer['router_compute_dtype']}")
+    if quant:
+        return Check(name, FAIL, figure, f"the engine quantises its weights ({quant}); unless the router is "
+                     "excluded, its top-k is not the trainer's", "drop --quantization from rollout.engine.extra_args "
+                     "(or keep the router in bf16 in the quantisation config)", values)
+    order = ["float16", "bfloat16", "float32", "float64"]
+    weight, params = trainer["router_weight_dtype"], trainer["params_dtype"]
+    if weight in order and params in order and order.index(weight) < order.index(params):
+        return Check(name, FAIL, figure, f"the trainer's router weights are {weight}, below its params ({params})",
+                     "trainer.params_dtype / trainer.moe_router_dtype", values)
+    return Check(name, PASS, figure, values=values)
+
+
+def mean_abs_diff(trainer_lps: Sequence[np.ndarray], samples: Sequence[Sample]) -> float:
+    """slime's ``train_rollout_logprob_abs_diff`` (``r3rl.metrics``) of these samples."""
+    return M.logprob_abs_diff(trainer_lps, [s.rollout_logprobs for s in samples], [s.loss_mask for s in samples])
