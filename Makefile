@@ -34,7 +34,7 @@ uv_install = $(call uv,$(1),install) --compile-bytecode $(if $(FIND_LINKS),--fin
 # the one vLLM release the gpu extra pins, installed first so TransformerEngine builds against its torch
 VLLM_PIN := $(shell sed -n 's/^ *"\(vllm==[^";]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: venv venv-trainer run test test-trainer docs docs-serve
+.PHONY: venv venv-trainer run doctor test test-trainer docs docs-serve
 venv: $(STAMP)
 venv-trainer: $(TRAINER_STAMP)
 
@@ -69,6 +69,10 @@ $(TRAINER_STAMP): pyproject.toml
 
 run: venv
 	$(VENV)/bin/python run.py $(ARGS)
+
+# the run's stack checked against the R3 contract before a long run (ARGS: the run's overrides)
+doctor: venv
+	$(VENV)/bin/python -m r3rl.doctor $(ARGS)
 
 test: venv venv-trainer
 	$(VENV)/bin/python -m pytest $(TEST_ARGS)

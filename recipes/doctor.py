@@ -119,7 +119,10 @@ class Doctor(GRPORecipe):
 
 
 def run_doctor(cfg: R3RLConfig) -> list[Check]:
-    doctor = Doctor(cfg)
+    """The checks on the model the run trains: its SFT warm start where it has one (made first when not cached)."""
+    from recipes import warm_start
+
+    doctor = Doctor(warm_start.ensure(cfg))
     try:
         doctor.setup()
         return doctor.examine()

