@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from r3rl import route_trace
 from r3rl.config.schema import R3RLConfig
 from r3rl.doctor import checks as C
 from r3rl.doctor.checks import Check
@@ -71,6 +72,9 @@ class Doctor(GRPORecipe):
         self.check("routes are the model's", routes_check if routed else
                    lambda: C.skipped("routes are the model's", no_routes))
         self.check("replay is exact", replay_check if routed else lambda: C.skipped("replay is exact", no_routes))
+        self.check("route trace", lambda: self.trace_check(samples, replayed) if replayed is not None and
+                   replayed.trace is not None else C.skipped("route trace", no_routes if not routed else
+                                                             "debug.route_trace needs replay r3"))
         self.check("weight sync round trip", lambda: self.weight_sync_check(
             prompts, samples, replayed or live, engine_dtype, routed))
         engine_argv = self.plan.engines[0].argv if self.plan.engines else ()
@@ -91,6 +95,20 @@ class Doctor(GRPORecipe):
         self.results.append(result)
         colour = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}[result.status]
         console.print(f"[{colour}]{result.status}[/] {result.name}: {result.figure or result.detail}")
+
+    def trace_check(self, samples, replayed) -> Check:
+        """The doctor's batch traced as a run traces a step (``<doctor folder>/trace``), read back as
+        ``python -m r3rl.doctor --trace`` reads a run's; the control: its routes replayed one row off."""
+        folder = self.run_dir / route_trace.TRACE_DIR
+        self.write_trace(DOCTOR_STEP, samples, replayed)
+        shifted_samples = C.shifted_routes(samples)
+        shifted = self.trainers.call("logprobs", ray.put(shifted_samples), replay=True)
+        # what the trainer replayed, against what the rollout returned: the routing must differ on every sample
+        control = [{"request_id": s.request_id, "digests": {"batch": s.extra.get("trace_rollout"),
+                                                            "router": shifted.trace["router"][i]}}
+                   for i, s in enumerate(samples)]
+        route_trace.write_step(self.run_dir / "trace_control", DOCTOR_STEP, control)
+        return C.trace(route_trace.check(folder), route_trace.check(self.run_dir / "trace_control"))
 
     def weight_sync_check(self, prompts, samples, before, engine_dtype: str, routed: bool) -> Check:
         """One optimizer step on the batch (advantages +1 and -1 in turn: it moves the policy whatever the rewards),

@@ -25,6 +25,7 @@ import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from r3rl import metrics as M
+from r3rl import route_trace
 from r3rl.config.modes import (group_buffer, group_draw_limit, pi_old_from_training_forward, replay_mode,
                                unreplayed_pass_due)
 from r3rl.config.schema import R3RLConfig
@@ -172,6 +173,8 @@ class GRPORecipe(common.Recipe):
             self.trainers.call("logprobs", batch, replay=self.r3, record=self.replay_mode == "r2")
         unreplayed = self.trainers.call("logprobs", batch, replay=False) if paired else None
         timings["logprobs"] = time.perf_counter() - t
+        if cfg.debug.route_trace:
+            self.write_trace(step, samples, replayed)
         train_batch = batch
         if self.replay_mode == "r2":  # the samples keep the engine's routes (if any); training sees the trainer's
             train_batch = ray.put([dataclasses.replace(s, routed_experts=r)
@@ -325,7 +328,7 @@ class GRPORecipe(common.Recipe):
             first_engine=drawn.serial)
         if aborted := [s.index for s in samples if s.status == SampleStatus.ABORTED]:
             raise EngineError(f"samples {aborted} of the group were aborted by the engine")
-        return samples
+        return self.traced(samples)
 
     def sync_and_start_next(self, step: int, timings: dict[str, float], *, in_flight: bool) -> None:
         """Before the batch of ``step + 1`` starts: the trainer's weights, if that batch would otherwise be trained
@@ -442,8 +445,9 @@ class GRPORecipe(common.Recipe):
         if round_:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + round_ * 1_000_003)
         if self.episodes is not None:  # multi-turn: an episode per sample, one Sample each
-            return asyncio.run(self.episodes.run([EpisodePrompt(p.prompt_ids, p.text, p.label) for p in prompts],
-                                                 cfg.algorithm.n_samples_per_prompt, sampling, step=step))
+            return self.traced(asyncio.run(self.episodes.run(
+                [EpisodePrompt(p.prompt_ids, p.text, p.label) for p in prompts], cfg.algorithm.n_samples_per_prompt,
+                sampling, step=step)))
         client = self.client
         if self.in_flight:
             client = RolloutClient.from_config(cfg, self.engines.urls)
@@ -461,7 +465,24 @@ class GRPORecipe(common.Recipe):
         if aborted:
             # an aborted sample has no complete response: training on it would be silently off-policy
             raise EngineError(f"step {step}: samples {aborted} were aborted by the engine; nothing was trained")
+        return self.traced(samples)
+
+    def traced(self, samples: list[Sample]) -> list[Sample]:
+        """``debug.route_trace``: each sample's digest as the rollout returned it (``r3rl.route_trace``)."""
+        if self.cfg.debug.route_trace:
+            for s in samples:
+                s.extra["trace_rollout"] = route_trace.hex_digest(route_trace.sample_digest(s.tokens,
+                                                                                           s.routed_experts))
         return samples
+
+    def write_trace(self, step: int, samples: list[Sample], replayed) -> None:
+        """The step's trace: every sample's digest at each boundary, in ``<run>/trace/step_N.jsonl``."""
+        records = [{"request_id": s.request_id, "index": i, "digests": {
+            "rollout": s.extra.get("trace_rollout"),
+            "batch": route_trace.hex_digest(route_trace.sample_digest(s.tokens, s.routed_experts)),
+            **{boundary: digests[i] for boundary, digests in (replayed.trace or {}).items()}}}
+            for i, s in enumerate(samples)]
+        route_trace.write_step(self.run_dir / route_trace.TRACE_DIR, step, records)
 
 
 def mask_failed_episodes(samples: list[Sample], route_row_bytes: int = 0) -> tuple[list[Sample], dict[str, float]]:

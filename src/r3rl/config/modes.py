@@ -42,9 +42,10 @@ def pi_old_from_training_forward(cfg) -> bool:
     pi_old before the loss: ``correction.name=none`` without the gate), the pass measures nothing else (R2 records
     the trainer's own routes in it; without replay but with the engine's routes it measures the routing flips) and
     there are no pipeline stages (1F1B interleaves forwards of several micro batches);
-    ``algorithm.separate_old_logprob_pass`` keeps the pass anyway."""
+    ``algorithm.separate_old_logprob_pass`` keeps the pass anyway, and so does ``debug.route_trace`` (the trace
+    reads the routing of that replayed no-grad pass)."""
     alg, corr, mode = cfg.algorithm, cfg.correction, replay_mode(cfg)
-    return (not alg.separate_old_logprob_pass and (mode == "r3" or (mode == "none" and not cfg.rollout.routing_replay))
+    return (not alg.separate_old_logprob_pass and not cfg.debug.route_trace and (mode == "r3" or (mode == "none" and not cfg.rollout.routing_replay))
             and corr.name == "none" and corr.seq_error_threshold is None
             and alg.rollout_batch_size * alg.n_samples_per_prompt == alg.global_batch_size
             and cfg.parallelism.trainer.pipeline_parallel == 1)

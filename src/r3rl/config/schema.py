@@ -352,6 +352,7 @@ class RayConfig(Frozen):
 class DebugConfig(Frozen):
     save_rollout: Optional[str] = None
     wrong_stitching: bool = False
+    route_trace: bool = False
 
 
 @dataclass

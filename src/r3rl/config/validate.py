@@ -298,6 +298,10 @@ def validate(cfg: R3RLConfig) -> None:
           f"{budget} leaves no room for a first turn: data.max_prompt_length + the turn's max tokens = {need}")
     check(not cfg.debug.wrong_stitching or (episodes and ro.routing_replay), "debug.wrong_stitching",
           "moves episodes' route rows: it needs an env with episodes and rollout=vllm_r3")
+    check(not cfg.debug.route_trace or (cfg.recipe.name == "grpo" and cfg.replay.name in REPLAY_NAMES
+                                        and replay_mode(cfg) == "r3"),
+          "debug.route_trace", "traces the engine's routes through replay: it needs the grpo recipe with "
+          "rollout=vllm_r3 and replay r3")
     check(not episodes or cfg.recipe.name == "grpo", "env",
           f"episodes run in the grpo recipe; recipe={cfg.recipe.name} takes env=single_turn")
 

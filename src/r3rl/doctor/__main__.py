@@ -1,6 +1,9 @@
 """``python -m r3rl.doctor [the run's Hydra overrides]``: start the run's stack briefly and check the R3 contract on
 it (``recipes/doctor.py``); a table, ``doctor.json`` and ``doctor.md`` in ``<run.output_dir>/doctor``; exit 1 when
-a check failed, 2 when the config is refused (before anything starts)."""
+a check failed, 2 when the config is refused (before anything starts).
+
+``python -m r3rl.doctor --trace <run folder>/trace``: a run's route trace (``debug.route_trace``) read back, naming
+the first boundary where a sample's tokens or routes changed."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from r3rl.config import ConfigError, compose, register_configs
+from r3rl.config.modes import replay_mode
 from r3rl.config.schema import freeze
 from r3rl.launch import check_machine
 from r3rl.platform import visible_gpu_count, with_default_parallelism
@@ -30,11 +34,38 @@ def doctor_config(overrides: Sequence[str]):
     run = dataclasses.replace(cfg.run, output_dir=str(Path(cfg.run.output_dir) / "doctor"), eval_every=0,
                               resume=False)
     logger = dataclasses.replace(cfg.logger, wandb=dataclasses.replace(cfg.logger.wandb, mode="disabled"))
-    return freeze(dataclasses.replace(cfg, run=run, logger=logger))
+    # the trace of the doctor's batch, where there are routes to trace (validated as a run's would be)
+    trace = cfg.recipe.name == "grpo" and replay_mode(cfg) == "r3"
+    debug = dataclasses.replace(cfg.debug, route_trace=trace)
+    return freeze(dataclasses.replace(cfg, run=run, logger=logger, debug=debug))
+
+
+def check_trace(folder: Path, console: Console) -> int:
+    """``--trace DIR``: a run's trace (``debug.route_trace``) read back; 1 when a sample changed on its way."""
+    from r3rl.route_trace import check
+
+    report = check(folder)
+    if not report.samples:
+        print(f"error: no trace in {folder} (step_*.jsonl files; a run writes them with debug.route_trace=true)",
+              file=sys.stderr)
+        return 2
+    console.print(f"{report.steps} steps, {report.samples} samples traced through {' -> '.join(report.boundaries)}")
+    for found in report.breaks[:20]:
+        console.print(f"[red]{found}[/]")
+    if report.breaks:
+        console.print(f"[red]{len(report.breaks)} of {report.samples} samples changed on their way[/]")
+        return 1
+    console.print("[green]every sample identical at every boundary[/]")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--trace"]:
+        if len(args) != 2:
+            print("usage: python -m r3rl.doctor --trace <run folder>/trace", file=sys.stderr)
+            return 2
+        return check_trace(Path(args[1]), Console(width=160))
     register_configs()
     try:
         cfg = doctor_config(args)

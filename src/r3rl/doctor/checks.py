@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from r3rl import metrics as M
+from r3rl.route_trace import BOUNDARIES, TraceReport
 from r3rl.rollout.verify import verify_samples
 from r3rl.sample import Sample
 
@@ -210,6 +211,36 @@ def weight_sync(before: float, stale: float, synced: float, *, engine_dtype: str
         return Check(name, FAIL, figure, "the engine serves other weights than the trainer's after the sync",
                      "check rollout.weight_sync.backend and the engine log for the update", values)
     return Check(name, PASS, figure, values=values)
+
+
+# ---------------------------------------------------------------------------------------------- 6. trace
+def trace(report: TraceReport, control: TraceReport) -> Check:
+    """Every sample's tokens and routes identical at every boundary from the rollout to the router
+    (``r3rl.route_trace``); the control, the routes replayed one row off, must break at the router on every
+    sample."""
+    name = "route trace"
+    values = {"samples": report.samples, "boundaries": list(report.boundaries), "breaks": [str(b) for b in
+              report.breaks[:20]], "control_caught": len(control.breaks), "control_samples": control.samples}
+    figure = (f"{report.samples - len(report.breaks)} of {report.samples} samples identical through "
+              f"{' -> '.join(report.boundaries) or 'no boundary'}; shifted control caught {len(control.breaks)} "
+              f"of {control.samples}")
+    if report.breaks:
+        first = report.breaks[0]
+        return Check(name, FAIL, figure, str(first), _TRACE_FIX.get(first.boundary, ""), values)
+    if report.boundaries != BOUNDARIES:
+        missing = [b for b in BOUNDARIES if b not in report.boundaries]
+        return Check(name, FAIL, figure, f"no digest at {missing} for some sample", "debug.route_trace", values)
+    if not control.samples or len(control.breaks) < control.samples:
+        return Check(name, FAIL, figure, "routes replayed one row off went through the trace unseen", "", values)
+    return Check(name, PASS, figure, values=values)
+
+
+_TRACE_FIX = {
+    "batch": "a driver-side step changed the samples after the rollout (stitching of episodes, a debug.* fault)",
+    "trainer input": "the samples changed on their way to the trainer ranks (Ray serialisation)",
+    "router": "packing or the parallel split put routes on other rows or layers: trainer.packing=false, then "
+              "parallelism.trainer.* one at a time",
+}
 
 
 # ---------------------------------------------------------------------------------------------- 7. precision

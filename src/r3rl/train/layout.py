@@ -68,7 +68,10 @@ class TokenLayout:
 
     def router_rows(self, x: np.ndarray, segments: np.ndarray | None = None) -> np.ndarray:
         """``[B, S, ...]`` -> ``[S_local * B, ...]`` in the order this rank's routers flatten ``[s, b]``."""
-        local = self.local_tokens(x, segments)
+        return self.local_router_rows(self.local_tokens(x, segments))
+
+    def local_router_rows(self, local: np.ndarray) -> np.ndarray:
+        """This CP rank's ``[B, S_cp, ...]`` (a micro batch's own tensors, already split) -> its routers' rows."""
         seq_first = np.swapaxes(local, 0, 1)
         if self.sp_size > 1:
             s = seq_first.shape[0]

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from r3rl import metrics as M
+from r3rl import route_trace
 from r3rl.train.batch import MicroBatch
 from r3rl.train.layout import TokenLayout
 from r3rl.train.routes import PackedRoutes
@@ -187,7 +188,8 @@ class _Expected:
     False: a repeat of a real sample)."""
 
     def __init__(self, mb: MicroBatch, layout: TokenLayout, routes: Sequence[np.ndarray],
-                 valid: Sequence[bool] | None = None, loss_masks: Sequence[np.ndarray] | None = None):
+                 valid: Sequence[bool] | None = None, loss_masks: Sequence[np.ndarray] | None = None,
+                 trace: bool = False):
         slot_routes = [routes[i] for i in mb.indices]
         slot, pos = row_origins(mb, layout, [len(r) for r in slot_routes])
         self.rows = np.flatnonzero(slot >= 0)
@@ -204,6 +206,13 @@ class _Expected:
             at = np.flatnonzero(self.response)
             self.response[at] = [masks[b][p - first_scored[b]] for b, p in zip(row_slot[at], row_pos[at])]
         self._on: tuple | None = None
+        # debug.route_trace: each real row's sample index, position and input token, the token read from the
+        # micro batch's own (packed, split) tokens, so a token moved with its route still shows
+        self.trace = None
+        if trace:
+            real_rows = real[row_slot]
+            tokens = layout.local_router_rows(mb.tokens.cpu().numpy())[self.rows]
+            self.trace = (real_rows, np.asarray(mb.indices)[row_slot], row_pos, tokens)
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, routes ``[rows, L, K]`` widened, response mask) on ``device``: copied at the first router call."""
@@ -231,8 +240,11 @@ class RouteProbe:
     _ON_DEVICE = ("flips", "prompt_flips", "replay_mismatches", "margin_sum", "small_margins", "expert_load")
 
     def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray],
-                 loss_masks: Sequence[np.ndarray] | None = None):
+                 loss_masks: Sequence[np.ndarray] | None = None, trace: bool = False):
         self.routers = routers
+        # debug.route_trace: per sample, this rank's part of the digest of the routing Megatron used under replay
+        # (r3rl.route_trace), summed over the ranks that split the rows and the stages that split the layers
+        self.digests = np.zeros(len(routes), dtype=np.uint64) if trace else None
         self.loss_masks = loss_masks  # per sample: which response rows count (None: all of them)
         self.num_layers = num_layers
         self.num_experts = routers[0].config.num_moe_experts
@@ -246,7 +258,8 @@ class RouteProbe:
 
     def expect(self, mb: MicroBatch | None, *, replaying: bool, valid: Sequence[bool] | None = None) -> None:
         """The next forward runs ``mb`` (``valid[b]``: slot b is a real sample, not a padding repeat)."""
-        self._expected = _Expected(mb, self.layout, self.routes, valid, self.loss_masks) if mb is not None else None
+        self._expected = _Expected(mb, self.layout, self.routes, valid, self.loss_masks,
+                                   trace=self.digests is not None and replaying) if mb is not None else None
         self._replaying = replaying
 
     @property
@@ -301,6 +314,18 @@ class RouteProbe:
                 expected = torch.zeros_like(used).scatter(1, rollout, True)
                 self._host.replay_rows[layer] += len(exp.rows)
                 acc["replay_mismatches"][layer] += (used != expected).any(dim=-1).sum()
+                if exp.trace is not None:
+                    self._trace(used, layer, k, exp.trace)
+
+    def _trace(self, used: torch.Tensor, layer: int, k: int, rows: tuple) -> None:
+        """Add this layer's rows to their samples' digests: the experts the routing map used (its first k set
+        columns; a row with fewer than k hashes differently, as it should), with each row's position and token."""
+        real, sample, pos, tokens = rows
+        used = used.cpu().numpy()
+        experts = np.argsort(~used, axis=1, kind="stable")[:, :k]
+        hashes = route_trace.row_hashes(pos[real], tokens[real], np.full(int(real.sum()), layer), experts[real])
+        with np.errstate(over="ignore"):
+            np.add.at(self.digests, sample[real], hashes)
 
     def __enter__(self) -> "RouteProbe":
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from r3rl import metrics as M
+from r3rl import route_trace
 from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
 from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim, sft
@@ -47,6 +48,8 @@ class LogprobResult:
     margin_per_layer: np.ndarray | None = None
     small_margin_per_layer: np.ndarray | None = None
     load_max_vio_per_layer: np.ndarray | None = None
+    # debug.route_trace under replay: per boundary the trainer sees ("trainer input", "router"), a digest per sample
+    trace: dict[str, list[str | None]] | None = None
 
     @property
     def flip_rate(self) -> float:
@@ -226,8 +229,9 @@ class MegatronTrainer:
 
     def _forward_only(self, model, samples: Sequence[Sample], *, replay: bool, probe_routes: list | None,
                       driver_routers: list | None = None, recorded: dict | None = None
-                      ) -> tuple[dict[int, np.ndarray], ProbeCounts | None]:
-        """No-grad pass over all samples; returns this rank's response log-probs by sample index and probe counts.
+                      ) -> tuple[dict[int, np.ndarray], RouteProbe | None]:
+        """No-grad pass over all samples; returns this rank's response log-probs by sample index and the route probe
+        (its counts and, under ``debug.route_trace`` with replay, its digests: this rank's part of each).
 
         ``recorded``: a dict that receives, per sample index, this rank's recorded top-k rows per layer (the
         routers route themselves under Megatron's RECORD; never with ``replay``)."""
@@ -238,7 +242,8 @@ class MegatronTrainer:
         mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes)
         results: dict[int, np.ndarray] = {}
         probe = RouteProbe(driver_routers, self.cfg.model.num_layers, self.layout, routes,
-                           [s.loss_mask for s in samples]) if (driver_routers and routes is not None) else None
+                           [s.loss_mask for s in samples], trace=replay and self.cfg.debug.route_trace
+                           ) if (driver_routers and routes is not None) else None
         if replay and model is not self.model:
             raise RuntimeError("routes are replayed into the policy model only, never a reference model (P12)")
         model.eval()
@@ -262,7 +267,7 @@ class MegatronTrainer:
             if self._ps.is_pipeline_last_stage():
                 for (mb, valid), lp in zip(mbs, token_lps):
                     self._keep_response_logprobs(mb, valid, lp, results)
-        return results, (probe.counts if probe is not None else None)
+        return results, probe
 
     def _keep_response_logprobs(self, mb: MicroBatch, valid: list[bool], token_lp: torch.Tensor,
                                 out: dict[int, np.ndarray]) -> None:
@@ -345,14 +350,14 @@ class MegatronTrainer:
             return LogprobResult([], np.full(self.cfg.model.num_layers, np.nan), None, 0)
         routes = self._validated_routes(samples, required=replay)
         kept: dict | None = {} if record else None
-        local, counts = self._forward_only(self.model, samples, replay=replay, probe_routes=routes,
-                                           driver_routers=self.routers, recorded=kept)
+        local, probe = self._forward_only(self.model, samples, replay=replay, probe_routes=routes,
+                                          driver_routers=self.routers, recorded=kept)
         logprobs = collect.merge_by_index(local, len(samples), "log-probs")
         own = self._merge_recorded(samples, kept) if record else None
         num_layers = self.cfg.model.num_layers
-        if counts is None:
+        if probe is None:
             return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0, own)
-        counts = self._reduce_counts(counts)
+        counts = self._reduce_counts(probe.counts)
         def per_row(total: np.ndarray, rows: np.ndarray) -> np.ndarray:
             return np.where(rows > 0, total / np.maximum(rows, 1), np.nan).astype(np.float64)
 
@@ -363,7 +368,21 @@ class MegatronTrainer:
         max_vio = np.asarray([M.max_vio(load) for load in counts.expert_load])
         mismatches = int(counts.replay_mismatches.sum())
         matched = (mismatches == 0 and bool((counts.replay_rows > 0).all())) if replay else None
-        return LogprobResult(logprobs, flips, matched, mismatches, own, prompt, margin, small, max_vio)
+        return LogprobResult(logprobs, flips, matched, mismatches, own, prompt, margin, small, max_vio,
+                             self._route_trace(samples, probe))
+
+    def _route_trace(self, samples: Sequence[Sample], probe: RouteProbe) -> dict[str, list[str | None]] | None:
+        """``debug.route_trace``: per sample, the digest of its tokens and routes as this rank received them, and of
+        the routing the replayed pass used, summed over the ranks that split its rows and the stages that split its
+        layers (``r3rl.route_trace``)."""
+        if probe.digests is None:
+            return None
+        part = torch.from_numpy(probe.digests.view(np.int64).copy()).to(self.device)
+        layer_groups = [self._ps.get_pipeline_model_parallel_group()] if self.pipelined else []
+        router = collect.sum_over(part, self._row_groups() + layer_groups).cpu().numpy().view(np.uint64)
+        return {"trainer input": [route_trace.hex_digest(route_trace.sample_digest(s.tokens, s.routed_experts))
+                                  for s in samples],
+                "router": [route_trace.hex_digest(int(d)) for d in router]}
 
     def record_routes(self, samples: Sequence[Sample]) -> list[np.ndarray]:
         """The trainer's own routing (Megatron's RECORD), shaped like the engine's: ``[T-1, L, K]`` per sample in the

@@ -34,12 +34,14 @@ def run_doctor(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProc
 def test_doctor_passes_on_tool_episodes_packed_with_expert_parallel_and_its_controls_fail(tmp_path):
     """Fails if any check fails on a sound stack (multi-turn episodes with stitched routes, packed micro batches,
     two trainer ranks with experts split between them), if a control got through its check's bound (random routes,
-    a one-row shift, a stale engine), if the layer map missed a rank's routers, or if the doctor left a process."""
+    a one-row shift, a stale engine), if the layer map missed a rank's routers, if the trace's router digests were
+    not summed over both ranks (each holds half the rows), or if the doctor left a process."""
     out, checks = run_doctor(tmp_path, *CALCULATOR, *EP2)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert {name: c["status"] for name, c in checks.items()} == {
         "engine capture": "PASS", "layer map": "PASS", "routes are the model's": "PASS", "replay is exact": "PASS",
-        "weight sync round trip": "PASS", "precision": "PASS", "GPU memory and sync time": "SKIP"}
+        "route trace": "PASS", "weight sync round trip": "PASS", "precision": "PASS",
+        "GPU memory and sync time": "SKIP"}
     routes, replay, sync = (checks[n]["values"] for n in ("routes are the model's", "replay is exact",
                                                            "weight sync round trip"))
     assert routes["control_min_flip"] > routes["flip_bound"] >= max(routes["flip_per_layer"])
@@ -48,7 +50,11 @@ def test_doctor_passes_on_tool_episodes_packed_with_expert_parallel_and_its_cont
     assert sync["stale_engine"] > sync["tolerance"] >= sync["after_sync"]
     # rank 1's routers are counted too (EP splits experts, not layers: both ranks hold all 4)
     assert checks["layer map"]["values"]["trainer_router_layers"] == [0, 1, 2, 3]
-    assert (tmp_path / "doctor" / "doctor.md").read_text().count("| PASS |") == 6
+    # every episode identical from the rollout (routes stitched) to the routing both ranks used, one row off caught
+    trace = checks["route trace"]["values"]
+    assert trace["boundaries"] == ["rollout", "batch", "trainer input", "router"] and not trace["breaks"]
+    assert trace["control_caught"] == trace["control_samples"] == trace["samples"] == 16
+    assert (tmp_path / "doctor" / "doctor.md").read_text().count("| PASS |") == 7
     assert_nothing_left(tmp_path / "doctor")
 
 

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.integration
 
 # the warm start the run needs to call the tool at all, shortened (a larger tool share so 16 episodes hold calls);
 # one step off-policy: episodes generated ahead in the producer thread, every turn of one under one weight version
+# and every step's route trace (rollout -> batch -> trainer input -> router)
 CALCULATOR = ("env=calculator", "warm_start.enabled=true", "warm_start.num_steps=150", "warm_start.tool_share=0.6",
-              "run.eval_every=2", "algorithm.max_staleness=1", "correction=tis")
+              "run.eval_every=2", "algorithm.max_staleness=1", "correction=tis", "debug.route_trace=true")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def calculator_run(tmp_path_factory, tiny_model_dir):
     again = run_recipe(run_dir, *CALCULATOR, "run.num_steps=3")  # resumes from step 2's checkpoint
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
     rows = [row for run in wandb_runs(run_dir) for row in run.history]
-    return rows, again.stdout
+    return rows, again.stdout, run_dir
 
 
 def test_episodes_train_with_replay_and_resume_without_losing_a_step(calculator_run):
@@ -33,7 +34,7 @@ def test_episodes_train_with_replay_and_resume_without_losing_a_step(calculator_
     observation tokens in, if later turns asked for the whole context's routes again, if the resume repeated or
     skipped a step, or if episodes generated ahead (max_staleness=1) mixed weight versions (``r3rl.env.stitch``
     refuses such an episode, which would end the run)."""
-    rows, summary = calculator_run
+    rows, summary, _ = calculator_run
     steps = [row for row in rows if "train/logprob_abs_diff" in row]
     assert sorted(int(r["train/step"]) for r in steps) == [1, 2, 3]
     assert all(r["r3/replay_mismatch_rows"] == 0 for r in steps)
@@ -50,3 +51,21 @@ def test_episodes_train_with_replay_and_resume_without_losing_a_step(calculator_
     assert evals == [0, 2, 3]
     # the end-of-run summary shows the per-turn figures
     assert "train/logprob_abs_diff/turn_1" in summary and "rollout/turns_mean" in summary
+
+
+def test_the_route_trace_of_every_step_is_identical_at_every_boundary(calculator_run):
+    """``python -m r3rl.doctor --trace`` on the run's trace (episodes generated ahead in the producer thread, routes
+    stitched across turns, a resume between steps 2 and 3). Fails if a step was not traced, if a boundary's digest
+    was missing, or if a sample's tokens or routes changed between the rollout and the routing Megatron used."""
+    import subprocess
+    import sys
+
+    from r3rl.route_trace import check
+
+    *_, run_dir = calculator_run
+    report = check(run_dir / "trace")
+    assert report.steps == 3 and report.samples == 3 * 16
+    assert report.boundaries == ("rollout", "batch", "trainer input", "router") and not report.breaks
+    out = subprocess.run([sys.executable, "-m", "r3rl.doctor", "--trace", str(run_dir / "trace")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "every sample identical at every boundary" in out.stdout, out.stdout + out.stderr

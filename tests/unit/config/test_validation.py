@@ -58,6 +58,9 @@ REPO = Path(__file__).resolve().parents[3]
           "algorithm.group_intake=completion", "algorithm.rollout_batch_size=32", "algorithm.group_buffer=32"],
          "algorithm.group_buffer"),
         (["rollout=vllm", "replay=r3"], "replay"),
+        # the trace follows the engine's routes through replay: none to follow without them, or under R2
+        (["rollout=vllm", "debug.route_trace=true"], "debug.route_trace"),
+        (["replay=r2", "debug.route_trace=true"], "debug.route_trace"),
         (["rollout=vllm", "replay=r2", "trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
         ([GPU, "replay=r2", "parallelism.trainer.pipeline_parallel=2", "parallelism.trainer.expert_parallel=2"],
          "replay"),

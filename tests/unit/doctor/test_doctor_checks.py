@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3rl.doctor import checks as C
+from r3rl.route_trace import BOUNDARIES, TraceBreak, TraceReport
 from r3rl.sample import Sample, SampleStatus
 
 L, K, E = 4, 2, 8
@@ -104,3 +105,14 @@ def test_a_quantised_rollout_or_a_low_precision_router_fails_naming_the_key():
     assert fp8.status == C.FAIL and "rollout.engine.extra_args" in fp8.fix
     low = C.precision("bfloat16", [], {**trainer, "router_weight_dtype": "bfloat16"})
     assert low.status == C.FAIL and "trainer.params_dtype" in low.fix
+
+
+def test_the_trace_verdict_names_the_boundary_and_fails_a_missing_one_or_a_blind_control():
+    """Fails if a broken sample, a boundary without digests or a shifted control that went unseen passed."""
+    caught = TraceReport(1, 4, ("batch", "router"), tuple(TraceBreak(1, f"r{i}", "router", "batch") for i in range(4)))
+    sound = TraceReport(1, 4, BOUNDARIES, ())
+    assert C.trace(sound, caught).status == C.PASS
+    broken = C.trace(TraceReport(1, 4, BOUNDARIES, (TraceBreak(1, "r2", "router", "trainer input"),)), caught)
+    assert broken.status == C.FAIL and "sample r2" in broken.detail and "trainer.packing=false" in broken.fix
+    assert C.trace(TraceReport(1, 4, BOUNDARIES[1:], ()), caught).status == C.FAIL
+    assert "unseen" in C.trace(sound, TraceReport(1, 4, ("batch", "router"), caught.breaks[:3])).detail
