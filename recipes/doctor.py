@@ -9,6 +9,7 @@ check found; an exception inside one is that check's FAIL.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class Doctor(GRPORecipe):
     def __init__(self, cfg: R3RLConfig):
         super().__init__(cfg)
         self.results: list[Check] = []
+        self.sync_seconds = float("nan")  # the doctor's weight sync, timed
 
     def examine(self) -> list[Check]:
         cfg, model = self.cfg, self.cfg.model
@@ -79,10 +81,17 @@ class Doctor(GRPORecipe):
             prompts, samples, replayed or live, engine_dtype, routed))
         engine_argv = self.plan.engines[0].argv if self.plan.engines else ()
         self.check("precision", lambda: C.precision(engine_dtype, engine_argv, inventory[0]))
-        if cfg.parallelism.device != "cuda":
-            self.results.append(C.skipped("GPU memory and sync time", "no GPU: peak memory per role and the weight "
-                                          "sync's time are measured against the plan on GPUs only"))
+        if cfg.parallelism.device == "cuda":  # paper until a GPU runs it: no GPU has run the doctor yet
+            self.check("GPU memory and sync time", self.gpu_memory_check)
+        else:
+            self.results.append(C.skipped("GPU memory and sync time", "no GPU: the trainer's peak memory and the "
+                                          "weight sync's time are measured on GPUs only"))
         return self.results
+
+    def gpu_memory_check(self) -> Check:
+        trainer = next(g for g in self.plan.memory.gpus if g.gpu in ("trainer", "colocated"))
+        return C.gpu_memory(self.trainers.call_all("peak_device_memory"), trainer.role_total("trainer"),
+                            self.sync_seconds, self.plan.memory.budget_bytes)
 
     def check(self, name: str, run: Callable[[], Check]) -> None:
         """One check; an exception is its FAIL, and the next check still runs."""
@@ -123,7 +132,9 @@ class Doctor(GRPORecipe):
             self.trainers.call("onload_optimizer_state")
         self.trainers.call("train_step", batch, advantages, replay=routed, old_logprobs=before.logprobs)
         stale = C.mean_abs_diff(self.trainers.call("logprobs", batch, replay=routed).logprobs, samples)
+        started = time.perf_counter()
         self.sync_weights(version=1)
+        self.sync_seconds = time.perf_counter() - started
         fresh, _ = self.rollout(DOCTOR_STEP, prompts)
         synced = C.mean_abs_diff(self.trainers.call("logprobs", ray.put(fresh), replay=routed).logprobs, fresh)
         return C.weight_sync(C.mean_abs_diff(before.logprobs, samples), stale, synced, engine_dtype=engine_dtype)

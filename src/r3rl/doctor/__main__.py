@@ -2,6 +2,9 @@
 it (``recipes/doctor.py``); a table, ``doctor.json`` and ``doctor.md`` in ``<run.output_dir>/doctor``; exit 1 when
 a check failed, 2 when the config is refused (before anything starts).
 
+``python -m r3rl.doctor --slice [overrides]``: the same on the run's model cut to 2 layers of random weights
+(``r3rl.doctor.slice``), a go/no-go in minutes.
+
 ``python -m r3rl.doctor --trace <run folder>/trace``: a run's route trace (``debug.route_trace``) read back, naming
 the first boundary where a sample's tokens or routes changed."""
 
@@ -13,20 +16,24 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hydra.errors import HydraException
 from rich.console import Console
 
 from r3rl.config import ConfigError, compose, register_configs
 from r3rl.config.modes import replay_mode
 from r3rl.config.schema import freeze
 from r3rl.launch import check_machine
+from r3rl.doctor.slice import with_slice
 from r3rl.platform import visible_gpu_count, with_default_parallelism
 from r3rl.preflight import preflight
 
 
-def doctor_config(overrides: Sequence[str]):
-    """The run's config, checked as ``run.py`` checks it, then made the doctor's: its own folder beside the run's,
-    no W&B run, no eval points and no resume (it trains one step it never saves)."""
-    cfg = compose(with_default_parallelism(list(overrides)))
+def doctor_config(overrides: Sequence[str], *, cut: bool = False):
+    """The run's config (``cut``: its slice's, ``r3rl.doctor.slice``), checked as ``run.py`` checks it, then made the
+    doctor's: its own folder beside the run's, no W&B run, no eval points and no resume (it trains one step it never
+    saves)."""
+    overrides = with_default_parallelism(list(overrides))
+    cfg = compose(with_slice(overrides, compose) if cut else overrides)
     problem = check_machine(cfg, visible_gpu_count())
     if problem:
         raise ConfigError([("parallelism", problem)])
@@ -61,6 +68,9 @@ def check_trace(folder: Path, console: Console) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    cut = args[:1] == ["--slice"]
+    if cut:
+        args = args[1:]
     if args[:1] == ["--trace"]:
         if len(args) != 2:
             print("usage: python -m r3rl.doctor --trace <run folder>/trace", file=sys.stderr)
@@ -68,15 +78,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return check_trace(Path(args[1]), Console(width=160))
     register_configs()
     try:
-        cfg = doctor_config(args)
-    except ConfigError as err:
+        cfg = doctor_config(args, cut=cut)
+    except (ConfigError, HydraException) as err:  # a refused config or an override Hydra cannot apply
         print(f"error: {err}", file=sys.stderr)
         return 2
     from r3rl.doctor.report import write
     from recipes.doctor import run_doctor
 
     results = run_doctor(cfg)
-    command = shlex.join(["python", "-m", "r3rl.doctor", *args])
+    command = shlex.join(["python", "-m", "r3rl.doctor", *(["--slice"] if cut else []), *args])
     return write(results, Path(cfg.run.output_dir), command, Console(width=160))
 
 

@@ -265,6 +265,31 @@ def precision(engine_dtype: str, engine_argv: Sequence[str], trainer: dict[str, 
     return Check(name, PASS, figure, values=values)
 
 
+# ---------------------------------------------------------------------------------------------- 8. GPU memory
+def gpu_memory(measured: Sequence[int], planned: int, sync_seconds: float, gpu_bytes: int | None) -> Check:
+    """The trainer ranks' peak device memory (their allocator's, after the doctor's passes, step and sync) against
+    the memory plan's trainer share of a GPU (``r3rl.memory``), and the weight sync's time as measured. Over the plan
+    FAILs: the plan is what the launch was admitted on, and a long run meets the same peak at every step."""
+    name = "GPU memory and sync time"
+    worst = max(measured)
+    ratio = worst / planned if planned else float("inf")
+    values = {"trainer_peak_bytes": list(measured), "trainer_planned_bytes": planned, "ratio": ratio,
+              "weight_sync_s": sync_seconds, "gpu_bytes": gpu_bytes}
+    gib = 1 << 30
+    figure = (f"trainer peak {worst / gib:.1f} GiB, plan {planned / gib:.1f} GiB (measured/plan {ratio:.2f}); "
+              f"weight sync {sync_seconds:.2f} s")
+    if worst > planned * PLAN_SLACK:
+        return Check(name, FAIL, figure, f"a trainer rank held {ratio:.2f}x the planned memory",
+                     "trainer.max_tokens_per_micro_batch (activations) or parallelism.trainer.* (a finer split); "
+                     "parallelism.gpu_memory_gib if the GPUs hold more", values)
+    return Check(name, PASS, figure, values=values)
+
+
+# the allocator's reserve rounds up and fragments: the plan counts tensors (bench/gpu_memory_probe.py measures
+# the same plan within 0.9-1.2 of the allocator's peak)
+PLAN_SLACK = 1.2
+
+
 def mean_abs_diff(trainer_lps: Sequence[np.ndarray], samples: Sequence[Sample]) -> float:
     """slime's ``train_rollout_logprob_abs_diff`` (``r3rl.metrics``) of these samples."""
     return M.logprob_abs_diff(trainer_lps, [s.rollout_logprobs for s in samples], [s.loss_mask for s in samples])

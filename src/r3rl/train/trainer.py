@@ -812,6 +812,10 @@ class MegatronTrainer:
             distributed.seed_all(self.cfg.run.seed + self.optimizer_step)
         return loaded["r3rl"]["extra"]
 
+    def peak_device_memory(self) -> int | None:
+        """The most device memory this rank's allocator held since it started (bytes; None without a GPU)."""
+        return int(torch.cuda.max_memory_reserved(self.device)) if self.device.type == "cuda" else None
+
     def router_inventory(self) -> dict[str, Any]:
         """The routers this rank built (a pipeline stage holds its own): their 0-based decoder layers and weight
         dtype, with the params and router compute dtypes (``python -m r3rl.doctor``'s layer map and precision)."""

@@ -20,8 +20,9 @@ CALCULATOR = ("env=calculator", "warm_start.enabled=true", "warm_start.num_steps
 EP2 = ("parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2", "parallelism.trainer.expert_parallel=2")
 
 
-def run_doctor(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
-    out = subprocess.run([sys.executable, "-m", "r3rl.doctor", "parallelism=cpu", f"run.output_dir={run_dir}",
+def run_doctor(run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()
+               ) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    out = subprocess.run([sys.executable, "-m", "r3rl.doctor", *flags, "parallelism=cpu", f"run.output_dir={run_dir}",
                           *PLUMBING, *SMALL_STEP, *overrides], cwd=REPO, capture_output=True, text=True, timeout=900,
                          start_new_session=True)
     (run_dir / "driver.log").parent.mkdir(parents=True, exist_ok=True)
@@ -79,3 +80,14 @@ def test_an_attached_engine_serving_another_models_routes_fails_check_three(tmp_
     assert foreign["status"] == "FAIL" and "not this checkpoint's routes" in foreign["detail"], foreign
     assert checks["engine capture"]["status"] == "PASS" and checks["layer map"]["status"] == "PASS"
     assert "FAIL: routes are the model's" in (tmp_path / "run" / "doctor" / "doctor.md").read_text()
+
+
+def test_the_slice_of_qwen3_30b_runs_every_check_with_its_routing_shape(tmp_path):
+    """``--slice model=qwen3_30b``: 2 layers of Qwen3-30B-A3B's routing (128 experts, top-8) with random weights, on
+    the CPU at the tiny model's width, no checkpoint needed. Fails if the slice kept the full model (refused on the
+    CPU profile), lost the routing shape, or any check failed on it."""
+    out, checks = run_doctor(tmp_path, "model=qwen3_30b", flags=("--slice",))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "x 2 layers x top-8" in checks["engine capture"]["figure"]
+    assert all(c["status"] == "PASS" for n, c in checks.items() if n != "GPU memory and sync time"), checks
+    assert checks["routes are the model's"]["values"]["flip_bound"] == 0.02  # both sides float32

@@ -116,3 +116,13 @@ def test_the_trace_verdict_names_the_boundary_and_fails_a_missing_one_or_a_blind
     assert broken.status == C.FAIL and "sample r2" in broken.detail and "trainer.packing=false" in broken.fix
     assert C.trace(TraceReport(1, 4, BOUNDARIES[1:], ()), caught).status == C.FAIL
     assert "unseen" in C.trace(sound, TraceReport(1, 4, ("batch", "router"), caught.breaks[:3])).detail
+
+
+def test_a_trainer_rank_over_the_memory_plan_fails_naming_the_keys():
+    """The GPU branch's verdict, decided on the measured peaks (no GPU here to measure them). Fails if a rank over
+    the plan's allowance passed, or one within it failed."""
+    gib = 1 << 30
+    ok = C.gpu_memory([50 * gib, 52 * gib], 48 * gib, 0.8, 80 * gib)
+    assert ok.status == C.PASS and "measured/plan 1.08" in ok.figure
+    over = C.gpu_memory([50 * gib, 70 * gib], 48 * gib, 0.8, 80 * gib)
+    assert over.status == C.FAIL and "trainer.max_tokens_per_micro_batch" in over.fix
