@@ -37,6 +37,7 @@ from r3rl.config.schema import SamplingConfig
 from r3rl.data.arithmetic import generate_problems
 from r3rl.models.tiny_moe import ensure_checkpoint
 from r3rl.net import free_port
+from r3rl.rollout import auth
 from r3rl.plan import build_plan
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import VLLMEngine
@@ -53,7 +54,7 @@ def cpu_identity() -> str:
 
 
 def rpc(url: str, method: str, *args) -> object:
-    reply = httpx.post(f"{url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=60)
+    reply = httpx.post(f"{url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=60, headers=auth.headers())
     reply.raise_for_status()
     return reply.json()["results"][0]
 

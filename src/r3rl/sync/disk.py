@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from r3rl.rollout import auth
 from r3rl.rollout.errors import EngineError
 
 UPDATE_METHOD = "r3rl_update_weights_from_hf"
@@ -57,7 +58,7 @@ def update_weights_from_hf(url: str, hf_dir: Path, version: int, *, timeout_s: f
         raise FileNotFoundError(f"update_weights_from_hf: no *.safetensors in {hf_dir}")
     url = url.rstrip("/")
     start = time.perf_counter()
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, headers=auth.headers()) as client:
         # keep: never clear_cache, which in vLLM 0.32 also drops the frozen requests' KV (EngineSet.pause)
         post_dev_route(client, url, "/pause", "pause before the weight update",
                        params={"mode": "keep", "clear_cache": False} if in_flight else
@@ -83,7 +84,7 @@ def update_weights_from_hf(url: str, hf_dir: Path, version: int, *, timeout_s: f
 def weight_checksums(url: str, *, timeout_s: float = 300.0) -> dict[str, str]:
     """sha256 per parameter as the engine holds it (``{"dp0:pp0:pcp0:tp0:<name>": digest}``)."""
     url = url.rstrip("/")
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, headers=auth.headers()) as client:
         resp = post_dev_route(client, url, "/weight_checker", "computing weight checksums", json={"action": "checksum"})
     return dict(resp.json()["checksums"])
 
@@ -91,7 +92,7 @@ def weight_checksums(url: str, *, timeout_s: float = 300.0) -> dict[str, str]:
 def weight_version(url: str, *, timeout_s: float = 30.0) -> str | None:
     """The label the engine reports for its current weights (``"default"`` until the first update)."""
     url = url.rstrip("/")
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, headers=auth.headers()) as client:
         try:
             resp = client.get(f"{url}/weight_info")
         except httpx.HTTPError as err:

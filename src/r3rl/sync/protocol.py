@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from r3rl.rollout import auth
 from r3rl.rollout.errors import EngineError
 from r3rl.sync.disk import post_dev_route
 
@@ -39,7 +40,7 @@ class EngineSet:
         # a fresh connection per call: when a route raises inside vLLM, uvicorn answers 500 and then drops the
         # connection, so a pooled one would fail the next call (a /resume after a failed update) with a reset
         # instead of reaching the engine. A few calls per sync make the extra connects negligible
-        self._client = httpx.Client(timeout=timeout_s, headers={"Connection": "close"})
+        self._client = httpx.Client(timeout=timeout_s, headers={"Connection": "close", **auth.headers()})
 
     def close(self) -> None:
         self._client.close()

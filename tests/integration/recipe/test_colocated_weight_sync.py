@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from r3rl.config.schema import SamplingConfig
+from r3rl.rollout import auth
 
 from .conftest import PLUMBING, SMALL_STEP, assert_nothing_left
 
@@ -61,7 +62,7 @@ def test_colocated_engine_serves_the_trainers_weights_after_a_step(tmp_path, com
         assert recipe.history[0]["perf/trainer_reserved_gib_at_wake"] == 0.0  # no CUDA here: nothing reserved
         import httpx
 
-        assert httpx.get(f"{recipe.engines.urls[0]}/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+        assert httpx.get(f"{recipe.engines.urls[0]}/is_sleeping", timeout=30, headers=auth.headers()).json() == {"is_sleeping": False}
         assert recipe.history[0]["train/grad_norm"] > 0, "the step must change the policy for this test to mean much"
 
         greedy = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=8, seed=7)

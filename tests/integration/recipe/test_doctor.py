@@ -40,7 +40,7 @@ def test_doctor_passes_on_tool_episodes_packed_with_expert_parallel_and_its_cont
     out, checks = run_doctor(tmp_path, *CALCULATOR, *EP2)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert {name: c["status"] for name, c in checks.items()} == {
-        "engine capture": "PASS", "layer map": "PASS", "routes are the model's": "PASS", "replay is exact": "PASS",
+        "engine token": "PASS", "engine capture": "PASS", "layer map": "PASS", "routes are the model's": "PASS", "replay is exact": "PASS",
         "route trace": "PASS", "weight sync round trip": "PASS", "precision": "PASS",
         "GPU memory and sync time": "SKIP"}
     routes, replay, sync = (checks[n]["values"] for n in ("routes are the model's", "replay is exact",
@@ -55,7 +55,7 @@ def test_doctor_passes_on_tool_episodes_packed_with_expert_parallel_and_its_cont
     trace = checks["route trace"]["values"]
     assert trace["boundaries"] == ["rollout", "batch", "trainer input", "router"] and not trace["breaks"]
     assert trace["control_caught"] == trace["control_samples"] == trace["samples"] == 16
-    assert (tmp_path / "doctor" / "doctor.md").read_text().count("| PASS |") == 7
+    assert (tmp_path / "doctor" / "doctor.md").read_text().count("| PASS |") == 8
     assert_nothing_left(tmp_path / "doctor")
 
 

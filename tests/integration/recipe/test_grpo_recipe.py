@@ -123,6 +123,18 @@ def test_run_leaves_checkpoint_and_nothing_running(r3_run):
     assert_nothing_left(r3_run)
 
 
+def test_the_engine_token_is_in_its_0600_file_and_nowhere_else_in_the_run_folder(r3_run):
+    """The run's engines demanded a token (``r3rl.rollout.auth``): fails if the token file is missing or readable by
+    others, or if the token reached any other file the run wrote (config, logs, processes.json, the W&B run, the
+    checkpoint), where it would outlive the run and travel with the folder."""
+    token_file = r3_run / "engine_token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    token = token_file.read_bytes()
+    assert len(token) >= 32
+    leaked = [str(p) for p in r3_run.rglob("*") if p.is_file() and p != token_file and token in p.read_bytes()]
+    assert not leaked, leaked
+
+
 def test_a_second_run_of_a_finished_run_starts_nothing(r3_run):
     processes = (r3_run / "processes.json").read_text()
     segments = sorted(r3_run.glob("wandb/offline-run-*"))

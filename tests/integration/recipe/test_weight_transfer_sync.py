@@ -15,6 +15,7 @@ import pytest
 
 from r3rl import checkpoint
 from r3rl.config.schema import SamplingConfig
+from r3rl.rollout import auth
 from r3rl.sync.disk import weight_version
 
 from .conftest import PLUMBING, SMALL_STEP, assert_nothing_left, pid_alive, start_recipe, wait_for
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 
 def prefix_cache_hits(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", timeout=30, headers=auth.headers()).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:prefix_cache_hits_total"))
 
@@ -46,7 +47,7 @@ def assert_each_rank_sent_its_own(url: str, cfg, tiny_model_dir) -> None:
     trainer; a part's buffer adds at most 63 bytes of alignment per tensor), and nothing else."""
     from safetensors import safe_open
 
-    stats = httpx.post(f"{url}/collective_rpc", json={"method": "r3rl_transfer_stats"}, timeout=60).json()
+    stats = httpx.post(f"{url}/collective_rpc", json={"method": "r3rl_transfer_stats"}, timeout=60, headers=auth.headers()).json()
     received = {int(r): n for r, n in stats["results"][0]["received_from"].items()}
     owned, count = {0: 0, 1: 0}, {0: 0, 1: 0}
     for f in sorted(tiny_model_dir.glob("*.safetensors")):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from r3rl.config.schema import SamplingConfig
+from r3rl.rollout import auth
 from r3rl.rollout.routed_experts import RouteSpec
 from r3rl.rollout.wire import GENERATE_PATH, parse_response, request_body
 from r3rl.sample import SampleStatus
@@ -40,7 +41,7 @@ def metric(resp: httpx.Response, name: str) -> float:
 
 
 def prefix_cache_hits(url: str) -> float:
-    return metric(httpx.get(f"{url}/metrics", timeout=30), "vllm:prefix_cache_hits_total")
+    return metric(httpx.get(f"{url}/metrics", timeout=30, headers=auth.headers()), "vllm:prefix_cache_hits_total")
 
 
 def test_rows_for_length_capped_stop_token_greedy_and_sampled(r3_client_factory, r3_cfg):
@@ -66,7 +67,7 @@ def test_rows_for_length_capped_stop_token_greedy_and_sampled(r3_client_factory,
 
 
 def _post(url: str, body: dict) -> dict:
-    resp = httpx.post(f"{url}{GENERATE_PATH}", json=body, timeout=300)
+    resp = httpx.post(f"{url}{GENERATE_PATH}", json=body, timeout=300, headers=auth.headers())
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -77,7 +78,7 @@ def test_rows_for_request_aborted_mid_generation_and_none_before_any_token(r3_en
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=400, seed=5)
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=300, headers=auth.headers()) as c:
             generated = metric(await c.get("/metrics"), "vllm:generation_tokens_total")
             long = asyncio.create_task(c.post(GENERATE_PATH, json=request_body("abort-mid", prompt, sampling, 5)))
             # company in the batch, so that even a fast engine takes seconds for the 400 tokens (the pause aborts
@@ -204,7 +205,7 @@ def test_engine_samples_with_r3rls_kernels_and_seeds_repeat(r3_client_factory, r
     installing them), or if the sampler stopped following the request's seed."""
 
     def rpc(method: str, *args):
-        reply = httpx.post(f"{r3_engine.url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=60)
+        reply = httpx.post(f"{r3_engine.url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=60, headers=auth.headers())
         reply.raise_for_status()
         return reply.json()["results"][0]
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from rollout_helpers import HFReference, engine_cfg, perturbed_checkpoint
 from r3rl.config.schema import SamplingConfig
 from r3rl.net import free_port
+from r3rl.rollout import auth
 from r3rl.rollout.errors import EngineError
 from r3rl.sync.protocol import EngineSet, TransferSender
 from r3rl.sync.wires import GlooWire
@@ -40,7 +41,7 @@ def buckets_of(folder, bucket_bytes: int):
 
 
 def prefix_cache_hits(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", timeout=30, headers=auth.headers()).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:prefix_cache_hits_total"))
 

@@ -126,3 +126,12 @@ def test_a_trainer_rank_over_the_memory_plan_fails_naming_the_keys():
     assert ok.status == C.PASS and "measured/plan 1.08" in ok.figure
     over = C.gpu_memory([50 * gib, 70 * gib], 48 * gib, 0.8, 80 * gib)
     assert over.status == C.FAIL and "trainer.max_tokens_per_micro_batch" in over.fix
+
+
+def test_an_engine_that_answers_without_the_token_fails_naming_the_middleware():
+    """Fails if an engine that served a request without the token (started by hand without r3rl's middleware)
+    passed, or one that refused it failed."""
+    assert C.engine_auth({"http://a:1": 401, "http://b:2": 401}).status == C.PASS
+    open_engine = C.engine_auth({"http://a:1": 401, "http://b:2": 200})
+    assert open_engine.status == C.FAIL and "http://b:2" in open_engine.detail
+    assert "--middleware r3rl.rollout.auth.EngineTokenMiddleware" in open_engine.fix
