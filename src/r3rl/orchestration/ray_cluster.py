@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -31,11 +32,32 @@ class RayCluster:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def use_token_auth(*, attaching: bool) -> None:
+    """Ray's token authentication (``RAY_AUTH_MODE=token``): a client without the cluster's token can neither join
+    nor submit work. A local cluster gets a token of its own, in this process's environment only (its raylet and
+    workers inherit it; no file under the home folder, where Ray would write one). An attached cluster's settings
+    come from the environment (``slurm/ray.sub`` exports ``RAY_AUTH_TOKEN_PATH`` to a 0600 file of the job's);
+    without a token there, the client connects as before. ``RAY_AUTH_MODE`` set by the user is kept either way."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if attaching:
+        has_token = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
+        os.environ["RAY_AUTH_MODE"] = "token" if has_token else "disabled"
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    # Ray reads both once per process and caches them (an import of a Ray module can be enough): read them again
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 def start_or_attach(cfg: R3RLConfig, plan: LaunchPlan) -> RayCluster:
     import ray
 
-    # No token file under the home folder, and listeners on loopback for a local cluster.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    use_token_auth(attaching=bool(cfg.ray.address))
+    # listeners on loopback for a local cluster
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     need = len(plan.placement.trainer) + (0 if plan.placement.colocated else

@@ -142,7 +142,6 @@ def launch2(slurm2, hosts, ray_tmp, tmp_path):
     env = {
         # two hosts: Ray may leave loopback (it finds each host's address through the veth's default route)
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
-        "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
         "LOG_ROOT": str(tmp_path),
         "RAY_TMP_ROOT": str(ray_tmp),

@@ -4,7 +4,11 @@ trainer on host A and the vLLM engine on host B reached at B's address, and a ho
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -21,6 +25,37 @@ RUN_TIMEOUT = 900
 # these runs are about placement and transport: the random model without the SFT warm start (which scale/cpu_2n.yaml
 # inherits from scale/cpu.yaml), partial credit so its steps still train
 PLUMBING = ("warm_start.enabled=false", "data.partial_credit=0.1")
+
+
+# what a stranger on the cluster network tries: each request must come back 401 without the run's engine token
+STRANGER = textwrap.dedent("""
+    import json, sys, httpx
+    url = sys.argv[1]
+    calls = [("POST", "/pause", {"params": {"mode": "wait"}}), ("POST", "/collective_rpc", {"json": {"method": "x"}}),
+             ("POST", "/update_weights", {"json": {}}), ("POST", "/inference/v1/generate", {"json": {}})]
+    print(json.dumps({path: httpx.request(m, url + path, timeout=30, **kw).status_code for m, path, kw in calls}))
+""")
+JOIN = "import ray, sys; ray.init(address=sys.argv[1]); print('joined')"
+
+
+def assert_strangers_are_refused(launch2, job: str, a, b, engine_url: str) -> None:
+    """From host A, requests to the engine on host B without the token; from host B, a Ray client without the
+    job's token. Fails if the engine served any of them (its middleware missing, or /health-style exemptions
+    grown), or if the client joined the cluster (Ray started without token authentication)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "R3RL_ENGINE_TOKEN"))}
+    codes = subprocess.run([*a.exec_prefix(), sys.executable, "-c", STRANGER, engine_url], env=clean,
+                           capture_output=True, text=True, timeout=120)
+    assert codes.returncode == 0, codes.stderr[-2000:]
+    assert set(json.loads(codes.stdout).values()) == {401}, codes.stdout
+    address = re.search(r"head \S+ at (\S+),", launch2.launcher_log(job)).group(1)
+    joiner = subprocess.Popen([*b.exec_prefix(), sys.executable, "-c", JOIN, address], env=clean, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = joiner.communicate(timeout=15)  # refused clients retry for longer than this
+    except subprocess.TimeoutExpired:
+        joiner.kill()
+        stdout, stderr = joiner.communicate()
+    assert "joined" not in stdout and ("InvalidAuthToken" in stderr or "Authentication" in stderr), stderr[-2000:]
 
 
 def _wait_for(predicate, what: str, launch2, job: str, timeout: float):
@@ -54,8 +89,9 @@ def test_two_node_job_brings_ray_up_on_both_hosts_and_tears_it_down(slurm2, laun
 
     driver = (logs / "driver.log").read_text()
     assert f"address: {a.ip}:" in driver, driver
-    # the plan of a 2-node job: engines bind to and are reached at their node's address, resolved on that node
-    assert re.search(r"url: http://<ip of node 1>:\d+\n\s+node: 1\n", driver), driver
+    # the plan of a 2-node job: engines bind to and are reached at their node's address, on a free port of that
+    # node, both resolved there
+    assert re.search(r"url: http://<ip of node 1>:<free port>\n\s+node: 1\n", driver), driver
 
     assert f"stopped: no Ray process of {job}.{a.name}.head left" in (logs / f"ray-head-{a.name}.log").read_text()
     assert f"stopped: no Ray process of {job}.{b.name}.worker left" in (logs / f"ray-worker-{b.name}.log").read_text()
@@ -93,6 +129,7 @@ def test_recipe_trains_on_host_a_serves_from_host_b_and_ends_naming_b_when_it_di
     [engine] = table["engines"]
     assert engine["url"].startswith(f"http://{b.ip}:") and engine["node"] == b.name, engine
     assert [t["node"] for t in table["trainers"]] == [a.name], table["trainers"]
+    assert_strangers_are_refused(launch2, job, a, b, engine["url"])
 
     killed = hosts.kill_host(b)
     t0 = time.monotonic()
@@ -119,6 +156,14 @@ def test_recipe_trains_on_host_a_serves_from_host_b_and_ends_naming_b_when_it_di
         assert row[M.REPLAY_MISMATCH_ROWS] == 0.0
         assert row[M.STALENESS_MAX] == (0 if step == 1 else 1) and row[M.DROPPED_STALE] == 0
     assert steps[2][M.perf_time_key("weight_sync")] > 0  # before step 3's batch, across the veth
+
+    # the job's tokens: each in its 0600 file, in no other file the run or the job wrote
+    engine_token, ray_token = out / "engine_token", launch2.log_dir(job) / "ray_auth_token"
+    for token_file in (engine_token, ray_token):
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        secret = token_file.read_bytes()
+        written = [p for root in (out, launch2.log_dir(job)) for p in root.rglob("*") if p.is_file()]
+        assert not [str(p) for p in written if p not in (engine_token, ray_token) and secret in p.read_bytes()]
 
     ckpt = checkpoint.latest(out)
     meta = checkpoint.read_meta(ckpt)

@@ -69,7 +69,7 @@ def ray_env() -> dict[str, str]:
     env["MAX_WORKER_PORT"] = str(base + len(PORT_NAMES) + WORKER_PORTS - 1)
     # not a launcher setting: tests that run the recipe pass it as rollout.engine.base_port
     env["R3RL_TEST_ENGINE_PORT"] = str(base + len(PORT_NAMES) + WORKER_PORTS)
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     return env
 
 
