@@ -17,8 +17,8 @@ import numpy as np
 
 from r3rl import metrics as M
 from r3rl.rollout.auth import MIDDLEWARE, TOKEN_ENV
-from r3rl.route_trace import BOUNDARIES, TraceReport
 from r3rl.rollout.verify import verify_samples
+from r3rl.route_trace import BOUNDARIES, TraceReport
 from r3rl.sample import Sample
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
