@@ -119,8 +119,7 @@ class Doctor(GRPORecipe):
         control = [{"request_id": s.request_id, "digests": {"batch": s.extra.get("trace_rollout"),
                                                             "router": shifted.trace["router"][i]}}
                    for i, s in enumerate(samples)]
-        route_trace.write_step(self.run_dir / "trace_control", DOCTOR_STEP, control)
-        return C.trace(route_trace.check(folder), route_trace.check(self.run_dir / "trace_control"))
+        return C.trace(route_trace.check(folder), route_trace.report([(DOCTOR_STEP, control)]))
 
     def weight_sync_check(self, prompts, samples, before, engine_dtype: str, routed: bool) -> Check:
         """One optimizer step on the batch (advantages +1 and -1 in turn: it moves the policy whatever the rewards),

@@ -471,15 +471,14 @@ class GRPORecipe(common.Recipe):
         """``debug.route_trace``: each sample's digest as the rollout returned it (``r3rl.route_trace``)."""
         if self.cfg.debug.route_trace:
             for s in samples:
-                s.extra["trace_rollout"] = route_trace.hex_digest(route_trace.sample_digest(s.tokens,
-                                                                                           s.routed_experts))
+                s.extra["trace_rollout"] = route_trace.sample_hex(s)
         return samples
 
     def write_trace(self, step: int, samples: list[Sample], replayed) -> None:
         """The step's trace: every sample's digest at each boundary, in ``<run>/trace/step_N.jsonl``."""
         records = [{"request_id": s.request_id, "index": i, "digests": {
             "rollout": s.extra.get("trace_rollout"),
-            "batch": route_trace.hex_digest(route_trace.sample_digest(s.tokens, s.routed_experts)),
+            "batch": route_trace.sample_hex(s),
             **{boundary: digests[i] for boundary, digests in (replayed.trace or {}).items()}}}
             for i, s in enumerate(samples)]
         route_trace.write_step(self.run_dir / route_trace.TRACE_DIR, step, records)

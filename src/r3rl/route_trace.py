@@ -72,6 +72,11 @@ def hex_digest(value: int | None) -> str | None:
     return None if value is None else f"{value & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
+def sample_hex(sample) -> str | None:
+    """A ``Sample``'s digest as the trace records it."""
+    return hex_digest(sample_digest(sample.tokens, sample.routed_experts))
+
+
 def write_step(folder: Path, step: int, records: Sequence[dict]) -> Path:
     """One JSON line per sample: its request id and index, and its digest at every boundary traced."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -114,11 +119,17 @@ def read_steps(folder: Path) -> Iterable[tuple[int, list[dict]]]:
 
 
 def check(folder: Path) -> TraceReport:
-    """Every traced sample of every step: the boundaries all its digests were recorded at, and where each broke."""
+    """Every traced sample of every step in ``folder``: the boundaries all its digests were recorded at, and where
+    each broke."""
+    return report(read_steps(folder))
+
+
+def report(traced: Iterable[tuple[int, Sequence[dict]]]) -> TraceReport:
+    """``check`` on records in hand, as ``(step, records)``."""
     steps = samples = 0
     common: set[str] | None = None
     breaks: list[TraceBreak] = []
-    for step, records in read_steps(folder):
+    for step, records in traced:
         steps += 1
         for record in records:
             samples += 1

