@@ -38,7 +38,7 @@ def sft_config(cfg: R3RLConfig) -> R3RLConfig:
         cfg, recipe=dataclasses.replace(cfg.recipe, name="sft", run_name_suffix="-sft"), data=data, env=EnvConfig(),
         run=dataclasses.replace(cfg.run, num_steps=ws.num_steps, eval_every=0, save_every=ws.num_steps),
         # a constant rate: the cosine's tail teaches the tiny model too little arithmetic in a short warm start
-        trainer=dataclasses.replace(cfg.trainer, lr=ws.lr, min_lr=ws.lr),
+        trainer=dataclasses.replace(cfg.trainer, lr=ws.lr, min_lr=ws.lr, freeze_router=False),
         sft=dataclasses.replace(cfg.sft, batch_size=ws.batch_size))
 
 
@@ -52,7 +52,8 @@ def fingerprint(cfg: R3RLConfig) -> dict:
     return {"version": WARM_START_VERSION, "solution_version": SOLUTION_VERSION, "model": keep(cfg.model),
             "data": {k: v for k, v in keep(sft.data).items() if k != "path"}, "warm_start": keep(cfg.warm_start),
             # transformer_overrides too: a load-balancing loss or another router setting shapes the weights
-            "trainer": {k: dict(v) if isinstance(v, dict) else v for k, v in keep(sft.trainer).items()},
+            "trainer": {k: dict(v) if isinstance(v, dict) else v for k, v in keep(sft.trainer).items()
+                        if k != "freeze_router"},  # GRPO's alone: a frozen run starts from the same warm start
             "parallelism": cfg.parallelism.name, "seed": cfg.run.seed}
 
 

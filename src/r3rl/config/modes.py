@@ -6,6 +6,7 @@ from __future__ import annotations
 REPLAY_NAMES = ("auto", "none", "r2", "r3")
 # the recipes run.py launches (recipes/<name>.py)
 RECIPE_NAMES = ("grpo", "sft")
+LOSS_NAMES = ("grpo", "gspo")
 # the options of r3rl.train.correction
 CORRECTION_NAMES = ("none", "tis", "icepop", "seq_mask_tis")
 # when the engines take new weights under max_staleness >= 1 (recipes/grpo.py)

@@ -166,6 +166,7 @@ class TrainerConfig(Frozen):
     moe_router_fusion: bool = False
     moe_token_dispatcher_type: str = "alltoall"
     moe_router_dtype: str = "fp32"
+    freeze_router: bool = False
     use_distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
@@ -182,6 +183,9 @@ class GRPOConfig(Frozen):
     global_batch_size: int = 256
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
+    loss: str = "grpo"
+    gspo_clip_eps_low: float = 3e-4
+    gspo_clip_eps_high: float = 4e-4
     normalize_advantage_std: bool = True
     use_kl_loss: bool = False
     kl_coef: float = 0.0

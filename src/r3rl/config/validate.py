@@ -11,8 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from r3rl.config.modes import (CORRECTION_NAMES, GROUP_INTAKE_NAMES, RECIPE_NAMES, REJECTED_TOKENS, REPLAY_NAMES,
-                               SPLIT_NAMES, TRAIN_SPLIT, WEIGHT_UPDATE_NAMES, replay_mode)
+from r3rl.config.modes import (CORRECTION_NAMES, GROUP_INTAKE_NAMES, LOSS_NAMES, RECIPE_NAMES, REJECTED_TOKENS,
+                               REPLAY_NAMES, SPLIT_NAMES, TRAIN_SPLIT, WEIGHT_UPDATE_NAMES, replay_mode)
 from r3rl.config.schema import R3RLConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -342,6 +342,13 @@ def validate(cfg: R3RLConfig) -> None:
           f"got {alg.global_batch_size}")
     check(0 <= alg.clip_eps_low < 1, "algorithm.clip_eps_low", f"must be in [0, 1), got {alg.clip_eps_low}")
     check(alg.clip_eps_high >= 0, "algorithm.clip_eps_high", f"must be >= 0, got {alg.clip_eps_high}")
+    check(alg.loss in LOSS_NAMES, "algorithm.loss", f"must be one of {LOSS_NAMES}, got {alg.loss!r}")
+    check(0 <= alg.gspo_clip_eps_low < 1 and alg.gspo_clip_eps_high >= 0, "algorithm.gspo_clip_eps_low",
+          f"GSPO's clip range must be in [0, 1) below and >= 0 above, got {alg.gspo_clip_eps_low} and "
+          f"{alg.gspo_clip_eps_high}")
+    # a sequence's tokens split over context-parallel ranks: its ratio would need their sum first
+    check(alg.loss != "gspo" or par.trainer.context_parallel == 1, "algorithm.loss",
+          "gspo takes each sequence's mean log-ratio within a rank: it needs parallelism.trainer.context_parallel=1")
     check(not alg.use_kl_loss or alg.kl_coef > 0, "algorithm.kl_coef", "must be > 0 when algorithm.use_kl_loss=true")
     check(alg.max_generation_rounds >= 1, "algorithm.max_generation_rounds",
           f"must be >= 1, got {alg.max_generation_rounds}")

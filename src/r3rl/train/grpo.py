@@ -65,16 +65,40 @@ class LossTerms:
     tokens: torch.Tensor
 
 
+# GSPO's cap on a sequence's log-ratio before the exponential (verl's ``compute_policy_loss_gspo``)
+MAX_SEQUENCE_LOG_RATIO = 10.0
+
+
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                       sequences: torch.Tensor) -> torch.Tensor:
+    """GSPO's per-token log-ratio (GSPO-token, arXiv 2507.18071 §4.3, as verl's ``loss_mode=gspo``): every token of a
+    sequence carries the sequence's length-normalised log-ratio, mean over its loss tokens of log pi - log pi_old,
+    as a constant, plus its own log-prob minus the same detached: the value is the sequence's, the gradient each
+    token's. ``sequences`` says which sequence each position holds (any layout: right-padded rows or packed ones)."""
+    ids = torch.unique(sequences.flatten(), return_inverse=True)[1]
+    weighted = ((logprobs - old_logprobs) * mask).flatten().detach()
+    count = torch.zeros(int(ids.max()) + 1, dtype=weighted.dtype, device=weighted.device)
+    total = count.clone().scatter_add_(0, ids, weighted)
+    count.scatter_add_(0, ids, mask.flatten().to(weighted.dtype))
+    per_sequence = (total / count.clamp(min=1.0))[ids].view_as(logprobs)
+    return torch.clamp(logprobs - logprobs.detach() + per_sequence, max=MAX_SEQUENCE_LOG_RATIO)
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 *, clip_low: float, clip_high: float, ref_logprobs: torch.Tensor | None = None,
-                kl_coef: float = 0.0, is_weights: torch.Tensor | None = None) -> LossTerms:
+                kl_coef: float = 0.0, is_weights: torch.Tensor | None = None,
+                sequences: torch.Tensor | None = None) -> LossTerms:
     """PPO-clip surrogate with asymmetric clipping (``1-clip_low``, ``1+clip_high``) plus an optional k3 KL to a
     reference policy, summed over tokens where ``mask`` is set.
 
     ``is_weights``: the rollout correction's per-token weights (``r3rl.train.correction``), constants multiplying
-    each token's policy-gradient term (pi_old / pi_rollout, the gap PPO's ratio does not see)."""
+    each token's policy-gradient term (pi_old / pi_rollout, the gap PPO's ratio does not see).
+    ``sequences`` (GSPO, ``algorithm.loss=gspo``): the sequence of each position; the ratio clipped is then the
+    sequence's (``sequence_log_ratio``) rather than each token's. The sum over tokens stays the trainer's token mean
+    (verl's GSPO recipe averages per sequence first, ``seq-mean-token-mean``)."""
     mask = mask.to(logprobs.dtype)
-    log_ratio = logprobs - old_logprobs
+    log_ratio = logprobs - old_logprobs if sequences is None else \
+        sequence_log_ratio(logprobs, old_logprobs, mask, sequences)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)

@@ -100,6 +100,9 @@ class MegatronTrainer:
 
         self.bare = model_lib.build_gpt(self.settings, self.device)
         convert.load_hf(self.bare, convert.HFCheckpoint(self.source), self.attention)
+        if cfg.trainer.freeze_router:  # before DDP and the optimizer: no gradient buffer, no optimizer state
+            for router in model_lib.routers(self.bare):
+                router.requires_grad_(False)
         self.model = model_lib.wrap_ddp(self.bare, self.settings)
         self.routers = model_lib.routers(self.bare)
         self.replay = ReplayDriver(self.routers) if self.replay_enabled else None
@@ -448,11 +451,13 @@ class MegatronTrainer:
             if objective == "sft":
                 return sft.nll_loss(token_lp, p["loss_mask"])
             old = token_lp.detach() if pi_old is not None else p["old_logprobs"]
+            gspo = alg.loss == "gspo"
             return grpo.policy_loss(token_lp, old, p["advantages"], p["loss_mask"],
-                                    clip_low=alg.clip_eps_low, clip_high=alg.clip_eps_high,
+                                    clip_low=alg.gspo_clip_eps_low if gspo else alg.clip_eps_low,
+                                    clip_high=alg.gspo_clip_eps_high if gspo else alg.clip_eps_high,
                                     ref_logprobs=p.get("ref_logprobs"),
                                     kl_coef=alg.kl_coef if alg.use_kl_loss else 0.0,
-                                    is_weights=p.get("is_weights"))
+                                    is_weights=p.get("is_weights"), sequences=p.get("sequence"))
 
         self.model.train()
         self.model.zero_grad_buffer()
@@ -505,6 +510,8 @@ class MegatronTrainer:
         adv = grpo.per_token_advantages(advantages, lengths)
         masks = loss_masks if loss_masks is not None else [s.loss_mask for s in samples]
         per_token = {"advantages": adv, "loss_mask": [np.asarray(m, dtype=np.float32) for m in masks]}
+        if self.cfg.algorithm.loss == "gspo":  # which sample each position holds: GSPO's ratio is per sequence
+            per_token["sequence"] = [np.full(n, i, dtype=np.float32) for i, n in enumerate(lengths)]
         if not pi_old_from_forward:
             if old_logprobs is None:
                 # pi_old: the current weights on the same routes, before any update of this call

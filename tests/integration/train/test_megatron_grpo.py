@@ -52,6 +52,31 @@ def test_grpo_steps_raise_the_likelihood_of_advantaged_responses(new_trainer):
     assert steps[-1]["step"] == 4
 
 
+def test_gspo_moves_toward_the_advantage_and_clips_whole_sequences(new_trainer):
+    """``algorithm.loss=gspo``: two epochs on one rollout batch. Fails if GSPO's loss never reached the trainer (the
+    first epoch moves the policy as GRPO's would, but the second would then clip tokens one by one, not whole
+    sequences), if its sign were flipped, or if its own clip range were not used (0.2 would leave nothing
+    clipped after one small step)."""
+    trainer = new_trainer("trainer.micro_batch_size=2", "trainer.lr=3e-5", "algorithm.loss=gspo")
+    samples, adv = fixed_batch()
+    old = trainer.logprobs(samples, replay=True).logprobs
+    first = trainer.train_step(samples, adv, replay=True, old_logprobs=old)
+    assert first["clip_frac"] == 0.0  # every sequence's ratio is exactly 1 before the first update
+    second = trainer.train_step(samples, adv, replay=True, old_logprobs=old)
+    after = trainer.logprobs(samples, replay=True).logprobs
+    assert moved_toward_the_advantage(samples, adv, old, after) > 0
+    # the sequence ratio is shared by a sequence's loss tokens: the clipped share is a share of whole sequences
+    tokens = [int(s.loss_mask.sum()) for s in samples]
+    clipped_tokens = second["clip_frac"] * sum(tokens)
+    assert 0 < second["clip_frac"] and any(abs(clipped_tokens - sum(c)) < 0.5 for c in _subsets(tokens))
+
+
+def _subsets(values: list[int]):
+    from itertools import combinations
+
+    return (c for r in range(len(values) + 1) for c in combinations(values, r))
+
+
 def test_pi_old_from_the_training_forward_is_the_separate_pass_bit_for_bit(new_trainer):
     """``train_on_policy`` (the default GRPO step) against a no-grad pi_old pass and ``train_step`` on it, from the
     same weights. Fails if its pi_old were read after the update, on other routes (live instead of replayed) or off
@@ -121,3 +146,22 @@ def test_bfloat16_training_on_cpu_keeps_float32_master_weights(new_trainer):
     assert moved_toward_the_advantage(samples, adv, old, trainer.logprobs(samples, replay=True).logprobs) > 0
     # the bf16 weights are the rounded float32 masters
     assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(inner.params, inner.masters))
+
+
+def test_a_frozen_router_stays_bit_for_bit_while_everything_else_trains(new_trainer):
+    """``trainer.freeze_router=true``: fails if a router weight moved by one bit over two steps, if the optimizer
+    kept state for a router (it would step it once unfrozen and its checkpoint would carry dead state), or if the
+    rest of the model stopped training with it."""
+    trainer = new_trainer("trainer.micro_batch_size=2", "trainer.lr=1e-3", "trainer.freeze_router=true")
+    samples, adv = fixed_batch()
+    before = params(trainer)
+    for _ in range(2):
+        trainer.train_step(samples, adv, replay=True)
+    after = params(trainer)
+    routers = [n for n in before if n.endswith("router.weight")]
+    assert len(routers) == 4
+    assert all(torch.equal(before[n], after[n]) for n in routers)
+    others = [n for n in before if n not in routers]
+    assert all(not torch.equal(before[n], after[n]) for n in others if "embedding" not in n and "norm" not in n)
+    held = {id(p) for p in trainer.optimizer.inner.params}  # the CPU profile's AdamW over main_grad
+    assert held and not held & {id(p) for r in trainer.routers for p in r.parameters()}

@@ -60,6 +60,10 @@ REPO = Path(__file__).resolve().parents[3]
         (["rollout=vllm", "replay=r3"], "replay"),
         # the trace follows the engine's routes through replay: none to follow without them, or under R2
         (["rollout=vllm", "debug.route_trace=true"], "debug.route_trace"),
+        (["algorithm.loss=ppo"], "algorithm.loss"),
+        (["algorithm.loss=gspo", "algorithm.gspo_clip_eps_low=1.5"], "algorithm.gspo_clip_eps_low"),
+        # GSPO's sequence mean within a rank: a sequence split over context-parallel ranks has no whole there
+        ([GPU, "model=qwen3_30b", "algorithm.loss=gspo", "parallelism.trainer.context_parallel=2"], "algorithm.loss"),
         (["replay=r2", "debug.route_trace=true"], "debug.route_trace"),
         (["rollout=vllm", "replay=r2", "trainer.moe_router_fusion=true"], "trainer.moe_router_fusion"),
         ([GPU, "replay=r2", "parallelism.trainer.pipeline_parallel=2", "parallelism.trainer.expert_parallel=2"],

@@ -69,3 +69,46 @@ def test_cosine_learning_rate():
     assert abs(lr_at(10, 10, 1.0, 0.1) - 0.1) < 1e-12
     assert lr_at(3, 10, 1.0, 0.1) > lr_at(4, 10, 1.0, 0.1)
     assert lr_at(20, 10, 1.0, 0.1) == lr_at(10, 10, 1.0, 0.1)
+
+
+def verl_gspo_token_losses(logprobs, old, adv, mask, low, high):
+    """verl's ``compute_policy_loss_gspo`` (trainer/ppo/core_algos.py) as its source reads, on right-padded
+    ``[B, T]`` rows, before its aggregation: the per-token loss matrix."""
+    seq_lengths = mask.sum(dim=-1).clamp(min=1)
+    seq_kl = ((logprobs - old) * mask).sum(dim=-1) / seq_lengths
+    log_ratio = torch.clamp(logprobs - logprobs.detach() + seq_kl.detach().unsqueeze(-1), max=10.0)
+    ratio = torch.exp(log_ratio)
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
+
+
+def test_gspo_clips_the_sequence_ratio_as_verl_does_in_padded_and_packed_rows():
+    """GSPO (``sequences`` given): the per-token loss sum and its gradient equal verl's definition on padded rows, and
+    the same samples packed end to end in one row give the same. Hand-computed: a sequence whose tokens' log-ratios
+    are +0.3 and -0.1 has ratio exp(0.1) for both tokens, clipped to 1.0004 under a positive advantage. Fails if the
+    ratio were taken per token (GRPO's), over all tokens of a packed row, over masked tokens, or with a gradient
+    through the sequence mean."""
+    torch.manual_seed(0)
+    old = torch.randn(3, 5, dtype=torch.float64)
+    lp = (old + 0.05 * torch.randn(3, 5, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([[1.0], [-0.5], [2.0]], dtype=torch.float64).expand(3, 5).contiguous()
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.float64)
+    ids = torch.arange(3, dtype=torch.float64)[:, None].expand(3, 5)
+    ours = policy_loss(lp, old, adv, mask, clip_low=3e-4, clip_high=4e-4, sequences=ids)
+    theirs = (verl_gspo_token_losses(lp, old, adv, mask, 3e-4, 4e-4) * mask).sum()
+    (g_ours,) = torch.autograd.grad(ours.loss, lp)
+    (g_theirs,) = torch.autograd.grad(theirs, lp)
+    assert torch.allclose(ours.loss, theirs) and torch.allclose(g_ours, g_theirs)
+    assert not torch.allclose(ours.loss, policy_loss(lp, old, adv, mask, clip_low=3e-4, clip_high=4e-4).loss)
+
+    packed = lambda x: x.reshape(1, 15)  # noqa: E731 - the three rows end to end, as a packed micro batch
+    lp_packed = lp.detach().clone().reshape(1, 15).requires_grad_(True)
+    again = policy_loss(lp_packed, packed(old), packed(adv), packed(mask), clip_low=3e-4, clip_high=4e-4,
+                        sequences=packed(ids))
+    (g_packed,) = torch.autograd.grad(again.loss, lp_packed)
+    assert torch.allclose(again.loss, ours.loss) and torch.allclose(g_packed.reshape(3, 5), g_ours)
+
+    two = torch.tensor([[0.3, -0.1]], dtype=torch.float64)  # log pi - log pi_old per token
+    hand = policy_loss(two.clone().requires_grad_(True), torch.zeros_like(two), torch.ones_like(two),
+                       torch.ones_like(two), clip_low=3e-4, clip_high=4e-4, sequences=torch.zeros_like(two))
+    assert torch.allclose(hand.loss, torch.tensor(-2 * 1.0004, dtype=torch.float64))
+    assert float(hand.clipped) == 2.0
