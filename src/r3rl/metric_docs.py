@@ -126,7 +126,13 @@ METRIC_DOCS: tuple[MetricDoc, ...] = tuple([
          "(both 0)"),
         (("train/replay_mismatch_rows", "train/replayed_rows"),
          "the training forwards' own replay check: rows whose routing map differed from the replayed route (0), and "
-         "the rows replayed"),
+         "the rows replayed (under replay=soft, the routes the filter chose, recomputed from the live logits)"),
+        (("train/router_replay_replace_rate",),
+         "replay=soft: the share of replayed (row, slot) experts the trainer's router overrode in the training "
+         "forwards (prime-rl's figure: kept only at >= replay.soft_ratio x the trainer's weakest top-k score)"),
+        (("train/later_minibatch_logprob_abs_diff",),
+         "several optimizer steps per rollout batch: mean |log-prob - rollout log-prob| over the loss tokens of "
+         "the mini-batches after the first, in their training forwards (weights the earlier ones moved)"),
     ),
     *_docs(
         "Rollout",

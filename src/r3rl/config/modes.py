@@ -3,7 +3,7 @@ with ``auto`` resolved against the rollout), and what ``auto``/``null`` stand fo
 
 from __future__ import annotations
 
-REPLAY_NAMES = ("auto", "none", "r2", "r3")
+REPLAY_NAMES = ("auto", "none", "r2", "r3", "soft")
 # the recipes run.py launches (recipes/<name>.py)
 RECIPE_NAMES = ("grpo", "sft")
 LOSS_NAMES = ("grpo", "gspo")
@@ -23,11 +23,18 @@ TRAIN_SPLIT = "train"
 
 def replay_mode(cfg) -> str:
     """``none``, ``r2`` or ``r3``. ``auto`` is ``r3`` when the engines return routed experts
-    (``rollout.routing_replay``, rollout=vllm_r3) and ``none`` otherwise."""
+    (``rollout.routing_replay``, rollout=vllm_r3) and ``none`` otherwise; ``soft`` is ``r3`` whose replayed experts
+    the trainer's router may override (``soft_replay_ratio``)."""
     name = cfg.replay.name
     if name == "auto":
         return "r3" if cfg.rollout.routing_replay else "none"
-    return name
+    return "r3" if name == "soft" else name
+
+
+def soft_replay_ratio(cfg) -> float | None:
+    """``replay=soft``: the share of the trainer's weakest top-k score a replayed expert needs to stay
+    (``replay.soft_ratio``; ``r3rl.train.replay.soft_targets``); None for every other replay."""
+    return float(cfg.replay.soft_ratio) if cfg.replay.name == "soft" else None
 
 
 def unreplayed_pass_due(cfg, step: int) -> bool:

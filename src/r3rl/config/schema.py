@@ -233,6 +233,7 @@ class ReplayConfig(Frozen):
     name: str = "auto"
     run_name_suffix: str = ""
     no_replay_every: int = 1
+    soft_ratio: float = 0.5
 
 
 @dataclass

@@ -193,10 +193,13 @@ def validate(cfg: R3RLConfig) -> None:
     check(cfg.replay.name in REPLAY_NAMES, "replay", f"must be one of {REPLAY_NAMES}, got {cfg.replay.name!r}")
     mode = replay_mode(cfg) if cfg.replay.name in REPLAY_NAMES else "none"
     check(mode != "r3" or ro.routing_replay, "replay",
-          f"replay=r3 replays the engine's routes, but rollout={ro.name} does not return them "
+          f"replay={cfg.replay.name} replays the engine's routes, but rollout={ro.name} does not return them "
           "(rollout.routing_replay=false): use rollout=vllm_r3, or replay=r2 to replay the trainer's own routes")
     check(mode != "r2" or pp == 1, "replay",
           f"replay=r2 records routes in an unpipelined pass: needs parallelism.trainer.pipeline_parallel=1, got {pp}")
+    check(0.0 <= cfg.replay.soft_ratio <= 1.0, "replay.soft_ratio",
+          f"must be in [0, 1] (0 keeps every replayed expert, 1 none the trainer would not pick), got "
+          f"{cfg.replay.soft_ratio}")
     check(cfg.replay.no_replay_every >= 1, "replay.no_replay_every",
           f"must be >= 1, got {cfg.replay.no_replay_every}")
     corr = cfg.correction

@@ -48,18 +48,88 @@ def check_megatron_api() -> None:
                            f"get_replay_topk{tuple(params)}); r3rl's replay driver supports megatron-core 0.16")
 
 
-class ReplayDriver:
-    """Arms and clears the ``RouterReplay`` of one model's MoE routers."""
+def probs_from_logits(logits: torch.Tensor, router_config) -> torch.Tensor:
+    """``selection_probs`` of the scores Megatron derives from these router logits (the route probe's view)."""
+    if router_config.moe_router_score_function == "softmax":
+        return torch.softmax(logits.float(), dim=-1)
+    if router_config.moe_router_score_function == "sigmoid":
+        return torch.sigmoid(logits.float())
+    return torch.nn.functional.softplus(logits.float()).sqrt()
 
-    def __init__(self, routers: list):
+
+def selection_probs(scores: torch.Tensor, router_config) -> torch.Tensor:
+    """The router's selection scores as probabilities: Megatron hands its top-k the raw logits when the softmax comes
+    after the top-k (``moe_router_pre_softmax`` off, Qwen3's normalised top-k), and scores that already are
+    probabilities or gates otherwise. A ratio of two logits means nothing (they can be negative), so soft replay
+    compares these."""
+    if router_config.moe_router_score_function == "softmax" and not router_config.moe_router_pre_softmax:
+        return torch.softmax(scores.float(), dim=-1)
+    return scores.float()
+
+
+def soft_targets(probs: torch.Tensor, replayed: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft replay (prime-rl #2703's ``router_replay_score_threshold_ratio``): per row, a replayed expert stays when
+    the trainer's router gives it at least ``ratio`` x the score of the trainer's own weakest top-k expert; each
+    rejected slot takes, in order, the trainer's own top-k experts not already kept. ``probs`` ``[N, E]``,
+    ``replayed`` ``[N, K]``. Returns the experts to route ``[N, K]`` and which slots were replaced ``[N, K]``
+    (bool). ``ratio`` 0 keeps every replayed expert (R3); 1 keeps only those in the trainer's own top-k, so the
+    trainer routes itself (no replay, score ties aside)."""
+    k = replayed.shape[1]
+    own_probs, own = torch.topk(probs, k, dim=-1)
+    kept = probs.gather(1, replayed) >= ratio * own_probs[:, -1:]
+    # the trainer's candidates, in its own order, that no kept replayed slot already holds
+    taken = ((own[:, :, None] == replayed[:, None, :]) & kept[:, None, :]).any(dim=-1)
+    free_first = torch.sort(taken.to(torch.int8), dim=-1, stable=True).indices
+    candidates = own.gather(1, free_first)
+    # the j-th rejected slot of a row takes the row's j-th free candidate (a row has at least as many free
+    # candidates as rejected slots: each kept slot can take at most one of the K candidates)
+    rank = (torch.cumsum((~kept).long(), dim=-1) - 1).clamp(min=0)
+    chosen = torch.where(kept, replayed, candidates.gather(1, rank))
+    return chosen, ~kept
+
+
+def _soft_router_replay(ratio: float, router_config):
+    """A Megatron ``RouterReplay`` whose forward replay keeps a replayed expert only where the trainer's router agrees
+    enough (``soft_targets``) and queues what it routed for the backward recompute, so the recompute routes the
+    same experts as the forward."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class SoftRouterReplay(RouterReplay):
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+                return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            target = self.target_topk_idx
+            chosen, _ = soft_targets(selection_probs(scores.detach(), router_config),
+                                     target.to(scores.device).long(), ratio)
+            chosen = chosen.to(target.dtype)
+            # the backward recompute pops this forward's entry: make it the experts actually routed
+            for i, queued in enumerate(self.replay_backward_list):
+                if queued is target:
+                    self.replay_backward_list[i] = chosen
+            return scores.gather(1, chosen.long()), chosen
+
+    return SoftRouterReplay()
+
+
+class ReplayDriver:
+    """Arms and clears the ``RouterReplay`` of one model's MoE routers. ``soft_ratio``: soft replay
+    (``replay=soft``): each router's ``RouterReplay`` is swapped for one that filters the replayed experts
+    (``soft_targets``) before routing them."""
+
+    def __init__(self, routers: list, soft_ratio: float | None = None):
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self._actions = RouterReplayAction
         self.routers = routers
+        self.soft_ratio = soft_ratio
         missing = [r.layer_number for r in routers if r.router_replay is None]
         if missing:
             raise RuntimeError(f"MoE layers {missing} have no RouterReplay: build the model with "
                                "moe_enable_routing_replay=True")
+        if soft_ratio is not None:
+            forget_instances(routers)
+            for router in routers:
+                router.router_replay = _soft_router_replay(soft_ratio, router.config)
 
     @property
     def layers(self) -> list[int]:
@@ -125,7 +195,9 @@ class ProbeCounts:
     with a rollout route checked against the rollout and those whose routing map differed from the rollout's route
     for that token (must stay 0); and over the response rows, what explains a flip rate: the sum of the router's
     margins (k-th minus (k+1)-th logit), the rows whose margin is small (``metrics.SMALL_ROUTER_MARGIN``), and the
-    load of each expert under the router's own top-k (``expert_load``, ``[L, E]``)."""
+    load of each expert under the router's own top-k (``expert_load``, ``[L, E]``); under soft replay, the replayed
+    (row, slot) pairs whose rollout expert the filter replaced (``replaced_slots``; the routing map is then checked
+    against the filtered routes)."""
 
     routed_rows: np.ndarray
     flips: np.ndarray
@@ -136,12 +208,13 @@ class ProbeCounts:
     margin_sum: np.ndarray
     small_margins: np.ndarray
     expert_load: np.ndarray
+    replaced_slots: np.ndarray
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> "ProbeCounts":
         counts = [np.zeros(num_layers, dtype=np.int64) for _ in range(6)]
         return cls(*counts, np.zeros(num_layers), np.zeros(num_layers, dtype=np.int64),
-                   np.zeros((num_layers, num_experts), dtype=np.int64))
+                   np.zeros((num_layers, num_experts), dtype=np.int64), np.zeros(num_layers, dtype=np.int64))
 
     def as_tensor(self) -> torch.Tensor:
         """Every field flattened into one float64 vector (one collective; counts stay exact below 2^53)."""
@@ -237,11 +310,14 @@ class RouteProbe:
     wait for the device)."""
 
     # the counts accumulated on the device, in ProbeCounts' field names
-    _ON_DEVICE = ("flips", "prompt_flips", "replay_mismatches", "margin_sum", "small_margins", "expert_load")
+    _ON_DEVICE = ("flips", "prompt_flips", "replay_mismatches", "margin_sum", "small_margins", "expert_load",
+                  "replaced_slots")
 
     def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray],
-                 loss_masks: Sequence[np.ndarray] | None = None, trace: bool = False):
+                 loss_masks: Sequence[np.ndarray] | None = None, trace: bool = False,
+                 soft_ratio: float | None = None):
         self.routers = routers
+        self.soft_ratio = soft_ratio
         # debug.route_trace: per sample, this rank's part of the digest of the routing Megatron used under replay
         # (r3rl.route_trace), summed over the ranks that split the rows and the stages that split the layers
         self.digests = np.zeros(len(routes), dtype=np.uint64) if trace else None
@@ -311,7 +387,12 @@ class RouteProbe:
             acc["expert_load"][layer].scatter_add_(0, own.flatten(), response[:, None].expand(-1, k).flatten().long())
             if self._replaying:
                 used = output[1].view(-1, experts)[rows].bool()
-                expected = torch.zeros_like(used).scatter(1, rollout, True)
+                replayed = rollout
+                if self.soft_ratio is not None:  # the filter recomputed from the live logits, independently
+                    replayed, replaced = soft_targets(probs_from_logits(logits[rows], router.config), rollout,
+                                                      self.soft_ratio)
+                    acc["replaced_slots"][layer] += replaced.sum()
+                expected = torch.zeros_like(used).scatter(1, replayed, True)
                 self._host.replay_rows[layer] += len(exp.rows)
                 acc["replay_mismatches"][layer] += (used != expected).any(dim=-1).sum()
                 if exp.trace is not None:

@@ -19,6 +19,7 @@ import torch
 
 from r3rl import metrics as M
 from r3rl import route_trace
+from r3rl.config.modes import soft_replay_ratio
 from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
 from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim, sft
@@ -105,7 +106,8 @@ class MegatronTrainer:
                 router.requires_grad_(False)
         self.model = model_lib.wrap_ddp(self.bare, self.settings)
         self.routers = model_lib.routers(self.bare)
-        self.replay = ReplayDriver(self.routers) if self.replay_enabled else None
+        self.soft_ratio = soft_replay_ratio(cfg)
+        self.replay = ReplayDriver(self.routers, self.soft_ratio) if self.replay_enabled else None
         self.optimizer = optim.build_optimizer(cfg, self.model, self.settings.dtype,
                                                self.settings.use_distributed_optimizer)
         self.total_steps = optim.total_optimizer_steps(cfg)
@@ -245,8 +247,8 @@ class MegatronTrainer:
         mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes)
         results: dict[int, np.ndarray] = {}
         probe = RouteProbe(driver_routers, self.cfg.model.num_layers, self.layout, routes,
-                           [s.loss_mask for s in samples], trace=replay and self.cfg.debug.route_trace
-                           ) if (driver_routers and routes is not None) else None
+                           [s.loss_mask for s in samples], trace=replay and self.cfg.debug.route_trace,
+                           soft_ratio=self.soft_ratio) if (driver_routers and routes is not None) else None
         if replay and model is not self.model:
             raise RuntimeError("routes are replayed into the policy model only, never a reference model (P12)")
         model.eval()
@@ -431,13 +433,16 @@ class MegatronTrainer:
     def _accumulate(self, samples: Sequence[Sample], indices: list[int], per_token: dict[str, list[np.ndarray]],
                     routes: list[np.ndarray] | None, replay: bool,
                     probe: RouteProbe | None = None, objective: str = "grpo",
-                    pi_old: dict[int, np.ndarray] | None = None) -> tuple[torch.Tensor, int]:
+                    pi_old: dict[int, np.ndarray] | None = None, later: bool = False) -> tuple[torch.Tensor, int]:
         """Forward/backward over one global batch into the DDP grad buffers, then reduce and normalise them by the
         global loss-token count. Returns the summed loss terms and the backward-replay entries left unconsumed.
         ``probe`` checks, in these training forwards, that the routing maps used were the replayed routes.
         ``objective``: ``grpo`` (the policy loss) or ``sft`` (the NLL of the loss-mask tokens).
         ``pi_old`` (a dict, unpipelined only): the policy loss takes each forward's own log-probs, detached, as pi_old
-        (``per_token`` holds none), and the dict receives them per sample index, as ``logprobs`` would."""
+        (``per_token`` holds none), and the dict receives them per sample index, as ``logprobs`` would.
+        ``later``: this global batch is not its rollout batch's first, so the two last sums are the loss tokens'
+        |log-prob - rollout log-prob| and their count (the later mini-batches' mismatch, ``per_token`` holding
+        ``rollout_logprobs``); zero otherwise."""
         if pi_old is not None and self.pipelined:
             raise RuntimeError("pi_old from the training forward: not under pipeline parallel (1F1B)")
         from megatron.core.distributed import finalize_model_grads
@@ -446,8 +451,14 @@ class MegatronTrainer:
         mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes,
                                   per_token=per_token)
 
+        drift = []  # later mini-batches: (sum |log-prob - rollout log-prob|, tokens) per micro batch
+
         def loss(token_lp: torch.Tensor, mb: MicroBatch) -> grpo.LossTerms:
             p = mb.per_token
+            if later and "rollout_logprobs" in p:
+                counted = p["loss_mask"] > 0
+                gap = (token_lp.detach().double() - p["rollout_logprobs"].double()).abs()
+                drift.append((torch.where(counted, gap, 0.0).sum().cpu(), counted.sum().double().cpu()))
             if objective == "sft":
                 return sft.nll_loss(token_lp, p["loss_mask"])
             old = token_lp.detach() if pi_old is not None else p["old_logprobs"]
@@ -500,6 +511,8 @@ class MegatronTrainer:
             sum((t.clipped.double().cpu() for t in terms_list), zero),
             sum((t.ratio.double().cpu() for t in terms_list), zero),
             sum((t.tokens.double().cpu() for t in terms_list), zero),
+            sum((d for d, _ in drift), zero),
+            sum((n for _, n in drift), zero),
         ])
         return self._reduce_sums(sums), unconsumed
 
@@ -519,6 +532,8 @@ class MegatronTrainer:
             per_token["old_logprobs"] = [np.asarray(o, dtype=np.float32) for o in old_logprobs]
         if is_weights is not None:
             per_token["is_weights"] = [np.asarray(w, dtype=np.float32) for w in is_weights]
+        if len(samples) > self.cfg.algorithm.global_batch_size:  # the later mini-batches' drift is measured
+            per_token["rollout_logprobs"] = [np.asarray(s.rollout_logprobs, dtype=np.float32) for s in samples]
         for name, values in (("loss_mask", per_token["loss_mask"]), ("is_weights", per_token.get("is_weights"))):
             bad = [i for i, (v, n) in enumerate(zip(values or [], lengths)) if v.shape != (n,)]
             if bad:
@@ -585,8 +600,9 @@ class MegatronTrainer:
         per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks,
                                            pi_old_from_forward=pi_old is not None)
         probe = RouteProbe(self.routers, self.cfg.model.num_layers, self.layout, routes,
-                           [s.loss_mask for s in samples]) if replay and not self.pipelined else None
-        totals = torch.zeros(6, dtype=torch.float64)
+                           [s.loss_mask for s in samples], soft_ratio=self.soft_ratio
+                           ) if replay and not self.pipelined else None
+        totals = torch.zeros(8, dtype=torch.float64)
         norms, ok_steps, unconsumed, rejected_steps = [], 0, 0, 0
         lr = self.cfg.trainer.lr
         for start in range(0, len(samples), gbs):
@@ -604,7 +620,8 @@ class MegatronTrainer:
                 norms.append(0.0)
                 continue
             with probe or contextlib.nullcontext():
-                sums, left = self._accumulate(samples, indices, per_token, routes, replay, probe, pi_old=pi_old)
+                sums, left = self._accumulate(samples, indices, per_token, routes, replay, probe, pi_old=pi_old,
+                                              later=start > 0)
             self.optimizer.set_lr(lr)
             ok, norm = self.optimizer.step()
             self.optimizer_step += 1
@@ -629,6 +646,8 @@ class MegatronTrainer:
             "rejected_steps": float(rejected_steps),
             "step": float(self.optimizer_step),
         }
+        if totals[7] > 0:  # the rollout batch took several optimizer steps: the later ones' drift from the rollout
+            metrics["later_minibatch_logprob_abs_diff"] = float(totals[6] / totals[7])
         if replay:
             metrics["replay_backward_unconsumed"] = float(unconsumed)
             metrics["replay_queue_after_step"] = float(self.replay.pending())
@@ -636,6 +655,9 @@ class MegatronTrainer:
             counts = self._reduce_counts(probe.counts)
             metrics["replay_mismatch_rows"] = float(counts.replay_mismatches.sum())
             metrics["replayed_rows"] = float(counts.replay_rows.sum())
+            if self.soft_ratio is not None:  # prime-rl's figure: replayed (row, slot) pairs the filter overrode
+                slots = counts.replay_rows.sum() * self.cfg.model.moe_topk
+                metrics["router_replay_replace_rate"] = float(counts.replaced_slots.sum() / max(slots, 1))
         return metrics
 
     def gradients(self, samples: Sequence[Sample], advantages, *, replay: bool,

@@ -165,3 +165,66 @@ def test_a_frozen_router_stays_bit_for_bit_while_everything_else_trains(new_trai
     assert all(not torch.equal(before[n], after[n]) for n in others if "embedding" not in n and "norm" not in n)
     held = {id(p) for p in trainer.optimizer.inner.params}  # the CPU profile's AdamW over main_grad
     assert held and not held & {id(p) for r in trainer.routers for p in r.parameters()}
+
+
+def _own_route_share_missed(samples, own_routes) -> float:
+    """The share of the rollout's (row, layer, slot) experts outside the trainer's own top-k set for that row."""
+    missed = total = 0
+    for s, own in zip(samples, own_routes):
+        rollout = np.asarray(s.routed_experts, dtype=np.int64)
+        inside = (rollout[..., :, None] == np.asarray(own, dtype=np.int64)[..., None, :]).any(-1)
+        missed += int((~inside).sum())
+        total += inside.size
+    return missed / total
+
+
+def test_soft_replay_routes_the_filtered_experts_in_every_forward(new_trainer):
+    """``replay=soft``. At ratio 1 the filter keeps only replayed experts the trainer picks itself: the replayed
+    log-probs equal the unreplayed ones and the replace rate equals the share of rollout experts outside the
+    trainer's own top-k (from Megatron's RECORD, independent of the filter). At 0.5 some replayed experts stay:
+    log-probs differ from both. The probe's routing-map check recomputes the filter from the live logits and finds
+    0 mismatched rows in the training forwards. Fails if the soft ``RouterReplay`` were not installed (log-probs of
+    plain R3, rate 0), if the filter ran on logits instead of probabilities, or if the rate counted other slots."""
+    samples, adv = fixed_batch()
+    for ratio in (1.0, 0.5):
+        trainer = new_trainer("trainer.micro_batch_size=2", "trainer.lr=1e-4", "replay=soft",
+                              f"replay.soft_ratio={ratio}")
+        soft = trainer.logprobs(samples, replay=True)
+        live = trainer.logprobs(samples, replay=False).logprobs
+        own = trainer.record_routes(samples)
+        gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(soft.logprobs, live))
+        out = trainer.train_step(samples, adv, replay=True)
+        assert soft.replay_mismatch_rows == 0 and out["replay_mismatch_rows"] == 0 and out["replayed_rows"] > 0
+        missed = _own_route_share_missed(samples, own)
+        if ratio == 1.0:
+            assert gap < 1e-5
+            assert out["router_replay_replace_rate"] == pytest.approx(missed, abs=1e-9)
+        else:
+            assert gap > 1e-3
+            assert 0 < out["router_replay_replace_rate"] < missed
+        trainer.shutdown()
+
+
+def test_later_mini_batches_report_their_drift_from_the_rollout(new_trainer):
+    """Two optimizer steps per rollout batch: the second's forwards run on weights the first moved, so their
+    |log-prob - rollout log-prob| is logged. Fails if the first mini-batch were counted (its forward is pi_old's
+    own, before any update: the figure would not depend on the lr) or if one step per batch logged it."""
+    samples, adv = fixed_batch()
+    rollout = [s.rollout_logprobs for s in samples]
+    drift = {}
+    for lr in (1e-6, 1e-3):
+        trainer = new_trainer("trainer.micro_batch_size=2", f"trainer.lr={lr}", "algorithm.global_batch_size=4")
+        out = trainer.train_step(samples, adv, replay=True)
+        assert out["optimizer_steps"] == 2
+        drift[lr] = out["later_minibatch_logprob_abs_diff"]
+        # the same figure from the second half's log-probs (its weights are those after step 1: not recomputable
+        # here, so the bound is that of the untouched weights when the lr is tiny)
+        if lr == 1e-6:
+            before = trainer.logprobs(samples[4:], replay=True).logprobs
+            expect = sum(float((np.abs(b - r) * s.loss_mask).sum()) for s, b, r in zip(samples[4:], before, rollout[4:]))
+            expect /= sum(float(s.loss_mask.sum()) for s in samples[4:])
+            assert drift[lr] == pytest.approx(expect, rel=1e-2)
+        trainer.shutdown()
+    assert drift[1e-3] > drift[1e-6]
+    one = new_trainer("trainer.micro_batch_size=2").train_step(samples, adv, replay=True)
+    assert "later_minibatch_logprob_abs_diff" not in one

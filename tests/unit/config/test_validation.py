@@ -311,3 +311,17 @@ def test_a_checkpoint_with_pending_groups_resumes_only_as_a_stream(tmp_path):
     assert key == "algorithm.group_intake" and "2 groups drawn and not yet trained" in reason
     assert resume_problems(compose_config([*base, "algorithm.group_intake=completion"])) == []
     assert resume_problems(compose_config([*base, "run.resume=false"])) == []
+
+
+def test_soft_replay_is_r3_with_a_ratio_in_range():
+    """``replay=soft`` replays the engine's routes (needs rollout=vllm_r3) with its ratio in [0, 1]. Fails if a ratio
+    of 2 (a typo for 0.2, which would override nearly every replayed expert) passed, or if soft replay were allowed on a rollout without routes."""
+    from r3rl.config.modes import replay_mode, soft_replay_ratio
+
+    cfg = compose(["replay=soft", "replay.soft_ratio=0.3"])
+    assert replay_mode(cfg) == "r3" and soft_replay_ratio(cfg) == 0.3
+    assert soft_replay_ratio(compose(["replay=r3"])) is None
+    with pytest.raises(ConfigError, match="replay.soft_ratio"):
+        compose(["replay=soft", "replay.soft_ratio=2"])
+    with pytest.raises(ConfigError, match="replay=soft replays the engine's routes"):
+        compose(["replay=soft", "rollout=vllm"])
