@@ -301,8 +301,7 @@ def wandb_naming(cfg: R3RLConfig) -> WandbNaming:
     w = cfg.logger.wandb
     mode = replay_mode(cfg)
     r3 = "on" if mode == "r3" else "off"
-    base = [f"r3:{r3}", f"replay:{cfg.replay.name if cfg.replay.name == 'soft' else mode}",
-            f"correction:{cfg.correction.name}", f"model:{cfg.model.name}",
+    base = [f"r3:{r3}", f"replay:{mode}", f"correction:{cfg.correction.name}", f"model:{cfg.model.name}",
             f"parallelism:{cfg.parallelism.name}"]
     mode = w.mode if w.mode != "auto" else ("offline" if cfg.parallelism.device == "cpu" else "online")
     return WandbNaming(

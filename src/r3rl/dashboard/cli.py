@@ -12,6 +12,7 @@ from pathlib import Path
 
 from r3rl.dashboard.local import write_comparison
 from r3rl.dashboard.report import build_report, report_spec
+from r3rl.dashboard.stabilisers import grid_rows, render_table
 from r3rl.tracking.offline_reader import OfflineRun, read_runs
 
 
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = load_runs(args.runs)
     out = Path(args.out)
     png, page = write_comparison(runs, out)
+    print(render_table(grid_rows(runs)))
     print(f"wrote {png} and {page}")
 
     project = args.project or next((r.project for r in runs if r.project), "r3rl")

@@ -20,6 +20,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from r3rl import metrics as M  # noqa: E402
 from r3rl.dashboard.eval_table import mismatch_and_eval  # noqa: E402
+from r3rl.dashboard.stabilisers import COLUMNS, grid_rows  # noqa: E402
+from r3rl.dashboard.stabilisers import cells as stabiliser_cells  # noqa: E402
 from r3rl.dashboard.panels import PANELS, Panel  # noqa: E402
 from r3rl.dashboard.report import RUNSET_NAMES  # noqa: E402
 from r3rl.tracking.offline_reader import OfflineRun  # noqa: E402
@@ -157,6 +159,11 @@ def write_html(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] =
         parts.append("</table>")
     for panel in shown_panels(runs, panels):
         parts += [f"<h2>{e(panel.title_for(runs))}</h2>", _panel_svg(panel, runs)]
+    parts += ["<h2>Stabilisers, one row per run</h2>", "<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in COLUMNS)
+              + "</tr>"]
+    parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>"
+              for row in stabiliser_cells(grid_rows(runs, [run_label(r) for r in runs]))]
+    parts.append("</table>")
     stats = [summarize(r.history) for r in runs]
     keys = list(dict.fromkeys(k for s in stats for k in s))
     parts += ["<h2>Key metrics (mean over steps)</h2>", "<table><tr><th>metric</th>"]

@@ -181,3 +181,44 @@ def test_each_replay_mode_has_its_runset_colour_and_label(run_dirs, tmp_path):
     colours = {line.get_label().split(":")[0]: line.get_color() for line in ax.get_lines()}
     plt.close(fig)
     assert set(colours) == {"R3 on", "R2", "R3 off"} and len(set(colours.values())) == 3
+
+
+def test_stabiliser_table_has_one_row_per_run_with_its_setup_and_figures(run_dirs, tmp_path, make_step_metrics):
+    """A grid run (soft replay, GSPO, frozen router, 4 mini-batches) logged for real beside the R3 and no-replay runs:
+    the dashboard's stabiliser table has one row per run, each with its own setup, its later-mini-batch mismatch,
+    replace rate, gradient spikes and held-out gain (last eval point minus the first). Fails if the setup were read
+    from the run name instead of its config, if a spike under ``SPIKE_FACTOR`` x the median were counted (or one
+    over it missed), or if the gain took other eval points."""
+    from r3rl.dashboard.stabilisers import grid_rows
+
+    overrides = ["model=tiny_moe", "parallelism=cpu", "rollout=vllm_r3", "replay=soft", "replay.soft_ratio=0.25",
+                 "algorithm.loss=gspo", "trainer.freeze_router=true", "algorithm.global_batch_size=64"]
+    cfg = compose(overrides)
+    grid_dir = tmp_path / "grid"
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+            mp.delenv(var, raising=False)
+        logger = WandbLogger(cfg, wandb_naming(cfg), grid_dir)
+        peaks = [1.0, 1.1, 2.9, 3.5, 1.0]  # median step norm 1.0: only 3.5 is a spike
+        for step in range(STEPS):
+            metrics = make_step_metrics(step, r3=True, seed=3)
+            metrics.update({"train/grad_norm": 1.0, "train/grad_norm_max": peaks[step],
+                            "train/later_minibatch_logprob_abs_diff": 0.02 * (step + 1),
+                            "train/router_replay_replace_rate": 0.1})
+            if step in (0, 2, STEPS - 1):
+                metrics["eval/arithmetic/avg@4"] = {0: 0.2, 2: 0.9, STEPS - 1: 0.45}[step]
+            logger.log(metrics, step=step)
+        logger.finish()
+    runs = load_runs([run_dirs[True], run_dirs[False], grid_dir])
+    rows = {r.setup: r for r in grid_rows(runs)}
+    assert set(rows) == {"r3, grpo", "none, grpo", "soft 0.25, gspo, frozen router"}
+    grid = rows["soft 0.25, gspo, frozen router"]
+    assert grid.mini_batches == 4 and grid.spikes == 1 and grid.grad_norm_max == 3.5
+    assert grid.later == pytest.approx(0.06) and grid.replace_rate == pytest.approx(0.1)
+    assert grid.gain == pytest.approx(0.25)
+    assert rows["r3, grpo"].gain == pytest.approx(0.25) and rows["r3, grpo"].mini_batches == 1
+    out = tmp_path / "compare"
+    assert main(["--runs", str(run_dirs[True]), str(run_dirs[False]), str(grid_dir), "--out", str(out)]) == 0
+    table = (out / "comparison.html").read_text().split("Stabilisers, one row per run")[1].split("</table>")[0]
+    assert table.count("<tr>") == 4  # the header and one row per run
+    assert "soft 0.25, gspo, frozen router" in table and "10%" in table and "1 (3.5)" in table
