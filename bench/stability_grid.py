@@ -1,6 +1,6 @@
 """When does R3 pay? The stabilisers users choose between, side by side on one harness (docs/stabilisers.md).
 
-    python bench/stability_grid.py [--out outputs/stability_grid] [--steps 16] [--reuse] [override ...]
+    python bench/stability_grid.py [--out outputs/stability_grid] [--steps 16] [--reuse] [--write-docs] [override ...]
 
 From the default CPU recipe's SFT warm start (cached, shared by every run), the same data, seeds and steps, one
 ``python run.py`` per row of ``GRID`` (14 runs, not the full product of replay x correction x loss x router freeze x
@@ -49,8 +49,8 @@ END = "<!-- stability_grid:end -->"
 def run_all(out: Path, steps: int, overrides: list[str], reuse: bool) -> list[tuple[str, Path]]:
     from r3rl.config import compose
 
-    samples = compose(["parallelism=cpu", *overrides])
-    batch = samples.algorithm.rollout_batch_size * samples.algorithm.n_samples_per_prompt
+    alg = compose(["parallelism=cpu", *overrides]).algorithm
+    batch = alg.rollout_batch_size * alg.n_samples_per_prompt
     plan = [(label, mb, extra, SEEDS[0]) for label, mb, extra in GRID]
     plan += [(label, mb, extra, SEEDS[1]) for label, mb, extra in GRID if mb == 4 and label in SECOND_SEED]
     done = []
