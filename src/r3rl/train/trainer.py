@@ -458,7 +458,7 @@ class MegatronTrainer:
             if later and "rollout_logprobs" in p:
                 counted = p["loss_mask"] > 0
                 gap = (token_lp.detach().double() - p["rollout_logprobs"].double()).abs()
-                drift.append((torch.where(counted, gap, 0.0).sum().cpu(), counted.sum().double().cpu()))
+                drift.append((torch.where(counted, gap, 0.0).sum(), counted.sum()))  # read back once, below
             if objective == "sft":
                 return sft.nll_loss(token_lp, p["loss_mask"])
             old = token_lp.detach() if pi_old is not None else p["old_logprobs"]
@@ -511,8 +511,8 @@ class MegatronTrainer:
             sum((t.clipped.double().cpu() for t in terms_list), zero),
             sum((t.ratio.double().cpu() for t in terms_list), zero),
             sum((t.tokens.double().cpu() for t in terms_list), zero),
-            sum((d for d, _ in drift), zero),
-            sum((n for _, n in drift), zero),
+            sum((d.double().cpu() for d, _ in drift), zero),
+            sum((n.double().cpu() for _, n in drift), zero),
         ])
         return self._reduce_sums(sums), unconsumed
 
