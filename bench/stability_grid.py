@@ -149,8 +149,8 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "r3rl.dashboard", "--runs", *(str(f) for _, f in done), "--out", str(out),
                     "--title", "Stabilisers side by side"], cwd=REPO, check=False, stdout=subprocess.DEVNULL)
     print(f"\ncomparison: {out / 'comparison.png'}, {out / 'comparison.html'}\n")
-    for line in verdicts(rows):
-        print(f"- {line}")
+    verdict_lines = [f"- {line}" for line in verdicts(rows)]
+    print("\n".join(verdict_lines))
     r2, r3 = _by(rows, "R2", 4)[0], _by(rows, "R3", 4)[0]
     means: dict[tuple[str, int], list] = {}
     for r in rows:
@@ -164,8 +164,7 @@ def main() -> None:
                             *args.overrides])
         head = [f"`{command}` ({args.steps} GRPO steps of 64 prompts x 4 per run, held-out avg@4 before step 1 and "
                 "after the last, paired by prompt and clustered by problem):", "", render_table(rows), ""]
-        verdict_lines = [*(f"- {line}" for line in verdicts(rows)), ""]
-        write_block(REPO / "docs" / "stabilisers.md", "\n".join([BEGIN, *head, *verdict_lines, f"`{last}`", END]),
+        write_block(REPO / "docs" / "stabilisers.md", "\n".join([BEGIN, *head, *verdict_lines, "", f"`{last}`", END]),
                     BEGIN, END)
         write_block(REPO / "README.md", "\n".join([BEGIN, *head, f"`{last}`", END]), BEGIN, END)
         print("wrote the blocks of docs/stabilisers.md and README.md")

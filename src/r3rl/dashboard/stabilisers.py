@@ -16,6 +16,7 @@ from pathlib import Path
 from r3rl import metrics as M
 from r3rl.eval.records import paired_gain, record_path
 from r3rl.tracking.offline_reader import OfflineRun
+from r3rl.tracking.summary import summarize
 
 # a step whose largest gradient norm exceeds this multiple of the run's median step norm is a spike
 SPIKE_FACTOR = 3.0
@@ -54,9 +55,7 @@ class GridRow:
 
 
 def _mean(run: OfflineRun, key: str) -> float:
-    _, values = run.series(key)
-    finite = [v for v in values if v is not None and not math.isnan(v)]
-    return sum(finite) / len(finite) if finite else math.nan
+    return summarize(run.history, keys=(key,)).get(key, {}).get("mean", math.nan)
 
 
 def held_out_gain(run: OfflineRun) -> tuple[float, float]:
@@ -80,10 +79,8 @@ def held_out_gain(run: OfflineRun) -> tuple[float, float]:
 
 def grid_row(run: OfflineRun, label: str | None = None) -> GridRow:
     cfg = run.config
-    replay = cfg.get("replay", {}).get("name", "?")
-    if replay == "auto":
-        replay = "r3" if cfg.get("rollout", {}).get("routing_replay") else "none"
-    if replay == "soft":
+    replay = run.replay or "?"  # the run's replay:<mode> tag (soft replay is tagged r3)
+    if cfg.get("replay", {}).get("name") == "soft":
         replay = f"soft {cfg['replay'].get('soft_ratio')}"
     alg = cfg.get("algorithm", {})
     batch = alg.get("rollout_batch_size", math.nan) * alg.get("n_samples_per_prompt", math.nan)
@@ -122,7 +119,8 @@ def cells(rows: Sequence[GridRow]) -> list[list[str]]:
 
     return [[r.label, r.setup, f(r.mini_batches, "g"), str(r.seed), f(r.mismatch, ".2e"), f(r.unreplayed, ".2e"),
              f(r.later, ".2e"), f(r.is_std, ".4f"), f(r.clip_frac, ".4f"), f"{r.spikes} ({f(r.grad_norm_max, '.3g')})",
-             f(r.replace_rate * 100, ".2g") + ("%" if not math.isnan(r.replace_rate) else ""), f"{f(r.gain, '+.3f')} ± {f(r.gain_se, '.3f')}", f(r.step_time / base, ".2f")]
+             "-" if math.isnan(r.replace_rate) else f"{r.replace_rate * 100:.2g}%",
+             f"{f(r.gain, '+.3f')} ± {f(r.gain_se, '.3f')}", f(r.step_time / base, ".2f")]
             for r in rows]
 
 
