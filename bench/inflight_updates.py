@@ -6,14 +6,16 @@ by side in one invocation, one run after the other on the same machine.
 Modes: in turn (``algorithm.max_staleness=0``), one step ahead (``=1``, ``algorithm.weight_update=between_batches``),
 in flight (``=1``, ``in_flight``) and in flight taking groups in completion order (``algorithm.group_intake=
 completion``: a stream of two batches' groups, a step takes the first to complete), all with ``correction=tis`` and
-R3. The default recipe answers in at most 16 tokens on the CPU; the bench lets responses run to
-``rollout.sampling.max_tokens=128`` so that most end early and a few run long (the length mean and max are printed). Step 1 is left out of the rates (an overlapped run generates its
-first batch alone). Printed per mode: trained samples per second (as a ratio to in turn), the engine's idle share
+R3. The default recipe answers in ~14 tokens, long before a train step ends, so no sync would land inside a batch:
+the bench makes generation outlast the step (``rollout.sampling.min_tokens``: no EOS before it) and keeps a long
+tail past it (``max_tokens``; the length mean and max are printed). Step 1 is left out of the rates (an overlapped
+run generates its first batch alone). Printed per mode: trained samples per second (as a ratio to in turn), the engine's idle share
 during the steps (``/metrics``: no request running or waiting, polled every 0.1 s), staleness per token, the share
 of samples spanning two versions, the samples evicted as stale, the groups that overtook a slower one, the mismatch with and without replay over the tokens of the current and of older
 weight versions, and the held-out gain (eval at step 0 and the last step, paired over prompts, clustered by problem).
-Last line, for in flight with completion order: ``inflight: samples/s in-flight / one-step-ahead <r>; older-version
-tokens replay/no-replay <q>``.
+Last line, for in flight with completion order: ``inflight: samples/s in-flight / one-step-ahead <r>; spanning
+samples <s>; older-version tokens replay/no-replay <q>`` (s: the share of samples whose tokens span two versions,
+mean over steps 2..N).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ MODES = {"in turn": ["algorithm.max_staleness=0"],
          "in flight": ["algorithm.max_staleness=1", "algorithm.weight_update=in_flight"],
          "completion order": ["algorithm.max_staleness=1", "algorithm.weight_update=in_flight",
                               "algorithm.group_intake=completion"]}
-LONG_TAIL = ["rollout.sampling.max_tokens=128"]
+LONG_TAIL_TOKENS = (160, 384)  # (min, max): --min-tokens / --max-tokens
 
 
 class IdleMeter:
@@ -76,14 +78,15 @@ class IdleMeter:
         return sum(inside) / len(inside) if inside else math.nan
 
 
-def run(label: str, steps: int, out_dir: Path, overrides: list[str]) -> dict:
+def run(label: str, steps: int, out_dir: Path, overrides: list[str], tokens: tuple[int, int]) -> dict:
     from r3rl.config import compose
     from recipes import warm_start
     from recipes.grpo import GRPORecipe
 
     cfg = compose(["parallelism=cpu", "rollout=vllm_r3", "correction=tis", f"run.num_steps={steps}",
                    f"run.output_dir={out_dir}", "run.save_every=1000", f"run.eval_every={steps}",
-                   "logger.wandb.mode=disabled", *LONG_TAIL, *MODES[label], *overrides])
+                   "logger.wandb.mode=disabled", f"rollout.sampling.min_tokens={tokens[0]}",
+                   f"rollout.sampling.max_tokens={tokens[1]}", *MODES[label], *overrides])
     recipe = GRPORecipe(warm_start.ensure(cfg))
     windows: list[tuple[float, float]] = []
     step_fn = recipe.train_step
@@ -127,12 +130,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="outputs/inflight")
     parser.add_argument("--modes", default=",".join(MODES), help="a subset of the modes, comma-separated")
+    parser.add_argument("--min-tokens", type=int, default=LONG_TAIL_TOKENS[0])
+    parser.add_argument("--max-tokens", type=int, default=LONG_TAIL_TOKENS[1])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps must be >= 3 (step 1 is left out)")
     modes = [m for m in MODES if m in args.modes.split(",")]
-    results = {label: run(label, args.steps, Path(args.out) / label.replace(" ", "_"), args.overrides)
+    tokens = (args.min_tokens, args.max_tokens)
+    results = {label: run(label, args.steps, Path(args.out) / label.replace(" ", "_"), args.overrides, tokens)
                for label in modes}
 
     table = Table(title=f"{args.steps} steps, rates and means over steps 2..{args.steps}")
@@ -173,8 +179,9 @@ def main() -> None:
     older = M.LOGPROB_ABS_DIFF_VERSION_TOKENS.format(which="older")
     older_no = M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS.format(which="older")
     q = mean(flight["rows"], older) / mean(flight["rows"], older_no)
+    s = mean(flight["rows"], M.SPANNING_VERSIONS_SHARE)
     print(f"inflight: samples/s in-flight / one-step-ahead {flight['rate'] / ahead['rate']:.2f}; "
-          f"older-version tokens replay/no-replay {q:.2f}")
+          f"spanning samples {s:.2f}; older-version tokens replay/no-replay {q:.2f}")
 
 if __name__ == "__main__":
     main()

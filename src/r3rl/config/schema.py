@@ -122,6 +122,7 @@ class SamplingConfig(Frozen):
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 1024
+    min_tokens: int = 0
     seed: int = 1234
 
 

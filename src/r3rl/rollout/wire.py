@@ -51,6 +51,8 @@ def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfi
         # token ids in, token ids out: no detokenization work on the server
         "detokenize": False,
     }
+    if sampling.min_tokens:
+        params["min_tokens"] = min(sampling.min_tokens, params["max_tokens"])
     if n > 1:
         params["n"] = n
     if stop_token_ids:

@@ -48,17 +48,18 @@ def drop_stale(samples: Sequence[Sample], trainer_version: int, max_staleness: i
 
 
 def token_versions(sample: Sample) -> np.ndarray:
-    """Per response token, the weight version that generated it, from vLLM's spans (``extra["weight_versions"]``;
-    the initial weights are 0), none newer than the version the request was sent under (``extra["sent_version"]``:
-    its prompt may come from that version's cached blocks). Without spans (a stitched episode), its version."""
+    """Per response token, the weight version that sampled it, from vLLM's spans (``extra["weight_versions"]``; the
+    initial weights are 0). A request an in-flight update lands in has tokens of both versions, and each keeps its
+    own: the version a request was sent under (``extra["sent_version"]``) bounds only the sample's own version
+    (``Sample.weight_version``, which admission and staleness eviction read), never its tokens'. Without spans (a
+    stitched episode), the sample's version."""
     out = np.full(sample.response_length, sample.weight_version or 0, dtype=np.int64)
     spans = sample.extra.get("weight_versions")
     if spans and sample.response_length:
         for span in spans:
             label = str(span["version"])
             out[int(span["start"]):int(span["end"])] = int(label) if label.isdigit() else 0
-    sent = sample.extra.get("sent_version")
-    return np.minimum(out, sent) if sent is not None else out
+    return out
 
 
 def token_metrics(samples: Sequence[Sample], trainer_version: int) -> dict[str, float]:

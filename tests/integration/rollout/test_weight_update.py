@@ -92,15 +92,29 @@ def test_a_request_spanning_an_in_flight_update_keeps_each_row_of_the_forward_th
     new weights (a pause that drops the KV: vLLM 0.32's ``/pause?mode=keep`` does, preempting the frozen requests,
     unless ``clear_cache=false`` is passed; ``mode=abort`` and a retry) or if route rows were taken from another
     forward than the one that computed them: the deliberately wrong rule (the new weights' routes for the prefix)
-    disagrees with the engine's rows."""
+    disagrees with the engine's rows.
+
+    Sent as every in-flight request of a run is (under the version it started on, 40: ``serve_version``), the
+    sample's per-token figures keep both versions: a spanning share of 1, and the mismatch of a trainer at version
+    41 (transformers on the new checkpoint) split into its first k tokens (older version) and the rest (current).
+    Fails if the sent version caps the tokens' versions again (every token 40: share 0,
+    no current-version figure)."""
     import torch
+
+    from r3rl import metrics as M
+    from r3rl.train.staleness import token_metrics
+    from r3rl.train.trainer import LogprobResult
+    from recipes.grpo import version_token_mismatch
 
     url = r3_engine.url
     new_dir = perturbed_checkpoint(tiny_model_dir, tmp_path / "new")
     new_hf = HFReference(new_dir)
     prompt = np.random.default_rng(3).integers(10, 1000, size=12).tolist()
+    client = r3_client_factory()
+    client.serve_version(40)
+    update_weights_from_hf(url, tiny_model_dir, version=40)  # the engine's own weights, labelled as the run's 40
     try:
-        sample, k = _spanning_request(r3_client_factory(), url, prompt, new_dir, version=41)
+        sample, k = _spanning_request(client, url, prompt, new_dir, version=41)
     finally:
         update_weights_from_hf(url, tiny_model_dir, version=42)
     p, tokens = len(prompt), torch.as_tensor(sample.tokens.astype(np.int64))[None]
@@ -123,7 +137,16 @@ def test_a_request_spanning_an_in_flight_update_keeps_each_row_of_the_forward_th
     # the wrong rule, the new weights' routes for the prefix: far from the engine's rows
     assert np.all(rows[:cut] == sets(wrong.router_logits), axis=-1).mean() < 0.8
     # and the new weights over the whole sequence give other log-probs for the old tokens
-    assert np.abs(sample.rollout_logprobs[:k] - new_hf.run(sample.tokens)[0][p - 1:p - 1 + k]).max() > 1e-2
+    trainer_lp = new_hf.run(sample.tokens)[0][p - 1:]
+    assert np.abs(sample.rollout_logprobs[:k] - trainer_lp[:k]).max() > 1e-2
+
+    assert sample.extra["sent_version"] == 40 and sample.weight_version == 40
+    assert token_metrics([sample], 41)[M.SPANNING_VERSIONS_SHARE] == 1.0
+    split = version_token_mismatch([sample], 41, LogprobResult([trainer_lp.astype(np.float32)], np.zeros(4), True, 0),
+                                   None)
+    gap = np.abs(trainer_lp - sample.rollout_logprobs)
+    assert split[M.LOGPROB_ABS_DIFF_VERSION_TOKENS.format(which="older")] == pytest.approx(gap[:k].mean(), rel=1e-5)
+    assert split[M.LOGPROB_ABS_DIFF_VERSION_TOKENS.format(which="current")] == pytest.approx(gap[k:].mean(), rel=1e-5)
 
 
 def test_after_an_in_flight_update_new_requests_never_reuse_blocks_of_older_weights(

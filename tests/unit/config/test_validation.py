@@ -49,6 +49,12 @@ REPO = Path(__file__).resolve().parents[3]
          "algorithm.weight_update"),
         (["algorithm.dynamic_sampling=true", "algorithm.max_staleness=1", "correction=tis",
           "algorithm.weight_update=in_flight"], "algorithm.weight_update"),
+        ([GPU, "parallelism.rollout.num_engines=2", "parallelism.rollout.tensor_parallel=1",
+          "parallelism.rollout.data_parallel=2", "algorithm.max_staleness=1", "correction=tis",
+          "algorithm.weight_update=in_flight"], "parallelism.rollout.data_parallel"),
+        (["rollout.engine.async_scheduling=true", "algorithm.max_staleness=1", "correction=tis",
+          "algorithm.weight_update=in_flight"], "rollout.engine.async_scheduling"),
+        (["rollout.sampling.min_tokens=17"], "rollout.sampling.min_tokens"),
         # a stream always has requests in flight: its weights can only go in flight
         (["algorithm.max_staleness=1", "correction=tis", "algorithm.group_intake=completion"],
          "algorithm.group_intake"),

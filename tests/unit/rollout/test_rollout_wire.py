@@ -3,6 +3,8 @@ lengths, masks, weight versions, request bodies and seeds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import numpy as np
@@ -146,6 +148,11 @@ def test_request_body_and_seeds():
     assert (sp["temperature"], sp["max_tokens"], sp["seed"], sp["stop_token_ids"], sp["logprobs"]) == \
         (0.7, 9, 5, [7], 0)
     assert request_body("r", [1], sampling, 5, max_tokens=3)["sampling_params"]["max_tokens"] == 3
+    # min_tokens only when set, and never past a prompt's own cap (vLLM refuses min_tokens > max_tokens)
+    assert "min_tokens" not in sp
+    longer = dataclasses.replace(sampling, min_tokens=6)
+    assert request_body("r", [1], longer, 5)["sampling_params"]["min_tokens"] == 6
+    assert request_body("r", [1], longer, 5, max_tokens=3)["sampling_params"]["min_tokens"] == 3
     seeds = {sample_seed(100, step, i) for step in range(3) for i in range(64)}
     assert len(seeds) == 3 * 64 and sample_seed(100, 2, 5) == 100 + 2 * 100003 + 5
 

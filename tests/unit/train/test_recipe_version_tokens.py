@@ -17,7 +17,9 @@ def sample(index: int, spans: list[tuple[str, int, int]]) -> Sample:
                response_ids=np.arange(4, dtype=np.int32), rollout_logprobs=np.zeros(4, dtype=np.float32),
                loss_mask=np.ones(4, dtype=np.float32), finish_reason="stop", status=SampleStatus.COMPLETED,
                weight_version=int(spans[0][0]))
-    s.extra["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in spans]
+    # as every in-flight request's sample: sent under the version it started on
+    s.extra.update(weight_versions=[{"version": v, "start": a, "end": b} for v, a, b in spans],
+                   sent_version=int(spans[0][0]))
     return s
 
 
@@ -25,7 +27,8 @@ def test_tokens_are_split_by_the_version_that_generated_them():
     """Sample 0 spans an in-flight update (version 4 for tokens 0-1, then 5), sample 1 is all version 5; the
     trainer is at version 5. With |trainer - rollout| 1 on version-4 tokens and 0.1 on version-5 ones (0.2
     unreplayed), the older tokens read 1.0 and the current ones 0.1 (0.2 unreplayed). Fails if a sample is split
-    by its oldest version only (sample 0's current tokens would count as older) or the two passes are swapped."""
+    by its oldest version only or capped by the version its request was sent under (sample 0's current tokens
+    would count as older) or the two passes are swapped."""
     samples = [sample(0, [("4", 0, 2), ("5", 2, 4)]), sample(1, [("5", 0, 4)])]
     gap = [np.array([1.0, 1.0, 0.1, 0.1]), np.full(4, 0.1)]
     replayed = LogprobResult([g.astype(np.float32) for g in gap], np.zeros(2), True, 0)

@@ -3,10 +3,14 @@ when the engines must take new weights."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from r3rl import metrics as M
+from r3rl.rollout.client import RolloutClient
+from r3rl.rollout.wire import samples_from_body
 from r3rl.sample import Sample, SampleStatus
 from r3rl.train.staleness import (StaleVersionError, drop_stale, must_sync, staleness, token_metrics,
                                   token_versions)
@@ -62,17 +66,36 @@ def test_engines_take_new_weights_just_often_enough_to_keep_the_bound(max_stalen
     assert synced == syncs
 
 
-def test_token_staleness_reads_the_spans_and_counts_a_request_as_of_the_version_it_was_sent_under():
-    """Sample 0's tokens span an in-flight update (versions 3, then 4 from token 2); sample 1 was sent under version
-    4 and labelled 5 for every token (prefilled after the next update, possibly from version 4's cached blocks); its
-    last token is out of the loss. At trainer version 5: token ages 2,2,1,1 and 1,1,1 (mean 9/7), one sample of two
-    spans two versions. Fails if the spans are ignored (sample 0 would count 2 for every token and span nothing), if
-    the sent version does not cap the tokens' (sample 1 would count 0), or if masked tokens count."""
-    spanning, capped = sample(0, 3), sample(1, 5)
-    spanning.extra["weight_versions"] = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 4}]
-    capped.extra.update(weight_versions=[{"version": "5", "start": 0, "end": 4}], sent_version=4)
-    capped.loss_mask[-1] = 0.0
-    assert token_versions(spanning).tolist() == [3, 3, 4, 4] and token_versions(capped).tolist() == [4, 4, 4, 4]
-    got = token_metrics([spanning, capped], 5)
-    assert got[M.STALENESS_TOKEN_MEAN] == pytest.approx(9 / 7)
+def engine_answer(spans: list[tuple[str, int, int]], n_tokens: int = 4) -> bytes:
+    """One choice of ``/inference/v1/generate`` as vLLM answers it, with its per-token ``weight_versions`` spans."""
+    return json.dumps({"choices": [{"index": 0, "token_ids": list(range(10, 10 + n_tokens)), "finish_reason": "stop",
+                                    "logprobs": {"content": [{"logprob": -0.5} for _ in range(n_tokens)]},
+                                    "weight_versions": [{"version": v, "start": a, "end": b} for v, a, b in spans]}]
+                       }).encode()
+
+
+def received(spans: list[tuple[str, int, int]], sent_under: int, index: int = 0) -> Sample:
+    """A sample as the rollout client hands it on: the response parsed, then bounded by the version it was sent
+    under (``RolloutClient._as_sent``), as every in-flight request is."""
+    client = RolloutClient(["http://127.0.0.1:1"], num_layers=2, topk=2, num_experts=4, routing_replay=False)
+    (s,) = samples_from_body(engine_answer(spans), url="http://127.0.0.1:1", first_index=index, count=1, group=index,
+                             request_id=f"r{index}", prompt=[1, 2, 3], routes=None)
+    return client._as_sent([s], sent_under)[0]
+
+
+def test_a_request_an_update_lands_in_keeps_both_versions_per_token_through_the_client():
+    """Sample 0 was sent under version 3 and an in-flight update to 4 landed after its second token; sample 1 was
+    sent under 3 but its whole response came from version 4's weights (the update landed before its first
+    decode). Per token, versions 3,3,4,4 and 4,4,4,4; both samples' own version stays bounded by the sent one (3:
+    admission and eviction read it), and at trainer version 4 one sample of two spans two versions with token ages
+    1,1,0,0 and 0,0,0,0 (the last token of sample 1 out of the loss: mean 2/7). Fails if the sent version caps the
+    tokens again (every token 3, spanning share 0: the clamp issue 58 removed) or no longer bounds the sample's own
+    version (sample 1 would read 4 and escape eviction for its prompt's older cached blocks)."""
+    spanning, late = received([("3", 0, 2), ("4", 2, 4)], 3), received([("4", 0, 4)], 3, index=1)
+    late.loss_mask[-1] = 0.0
+    assert token_versions(spanning).tolist() == [3, 3, 4, 4] and token_versions(late).tolist() == [4, 4, 4, 4]
+    assert spanning.weight_version == 3 and late.weight_version == 3
+    got = token_metrics([spanning, late], 4)
+    assert got[M.STALENESS_TOKEN_MEAN] == pytest.approx(2 / 7)
     assert got[M.SPANNING_VERSIONS_SHARE] == 0.5
+    assert token_metrics([spanning], 4)[M.SPANNING_VERSIONS_SHARE] == 1.0
