@@ -102,6 +102,15 @@ def update_meta(folder: Path, meta: CheckpointMeta) -> None:
     os.replace(tmp, Path(folder) / META)
 
 
+def freeze_router_mismatch(path, saved: bool) -> str:
+    """Why a checkpoint's optimizer state cannot be resumed with ``trainer.freeze_router`` toggled (frozen routers
+    have no optimizer state, so the state's shapes differ)."""
+    return (f"{path} was saved with trainer.freeze_router={str(saved).lower()}: its optimizer holds "
+            f"{'no' if saved else 'the'} routers' state, which trainer.freeze_router={str(not saved).lower()} cannot "
+            f"load; resume with trainer.freeze_router={str(saved).lower()}, or start a new run (run.resume=false or "
+            "another run.output_dir) from its exported weights")
+
+
 def read_complete(trainer_dir: str | Path) -> dict[str, Any]:
     """What the trainer state's ``COMPLETE`` records (format, world size, layout, optimizer step). Raises
     ``FileNotFoundError`` for an unfinished folder and ``CheckpointFormatError`` for another format, naming it."""

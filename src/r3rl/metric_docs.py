@@ -131,8 +131,9 @@ METRIC_DOCS: tuple[MetricDoc, ...] = tuple([
          "replay=soft: the share of replayed (row, slot) experts the trainer's router overrode in the training "
          "forwards (prime-rl's figure: kept only at >= replay.soft_ratio x the trainer's weakest top-k score)"),
         (("train/later_minibatch_logprob_abs_diff",),
-         "several optimizer steps per rollout batch: mean |log-prob - rollout log-prob| over the loss tokens of "
-         "the mini-batches after the first, in their training forwards (weights the earlier ones moved)"),
+         "several optimizer steps per rollout batch: |log-prob - rollout log-prob| of the mini-batches after the "
+         "first, in their training forwards (weights the earlier ones moved), averaged as train/logprob_abs_diff "
+         "(slime's: over each sample's loss tokens, then over samples)"),
     ),
     *_docs(
         "Rollout",

@@ -162,25 +162,33 @@ def resumed_checkpoint_format(cfg: R3RLConfig) -> str | None:
 
 
 def resume_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
-    """A checkpoint this launch would resume that the config cannot continue without losing data: groups a stream
-    drew and did not train (``algorithm.group_intake=completion``) are generated again by a stream alone."""
+    """A checkpoint this launch would resume that the config cannot continue: groups a stream drew and did not train
+    (``algorithm.group_intake=completion``) are generated again by a stream alone; an optimizer state saved with
+    the routers frozen (or training) has other shapes than ``trainer.freeze_router`` toggled expects."""
     from pathlib import Path
 
     from r3rl import checkpoint
 
-    if not cfg.run.resume or cfg.algorithm.group_intake == "completion":
+    if not cfg.run.resume:
         return []
     try:
         folder = checkpoint.latest(Path(cfg.run.output_dir))
-        pending = checkpoint.read_meta(folder).data_state.get("pending") if folder else None
+        if folder is None:
+            return []
+        pending = checkpoint.read_meta(folder).data_state.get("pending")
+        saved = checkpoint.read_complete(folder / checkpoint.TRAINER_DIR)
     except (OSError, ValueError):  # an unreadable one is the resume's own error to report, with its path
         return []
-    if not pending:
-        return []
-    return [("algorithm.group_intake", f"{folder} holds {len(pending)} groups drawn and not yet trained (saved "
-                                       "with algorithm.group_intake=completion), which batch intake would lose: "
-                                       "resume with algorithm.group_intake=completion algorithm.weight_update=in_flight, "
-                                       "or run.resume=false")]
+    found = []
+    if pending and cfg.algorithm.group_intake != "completion":
+        found.append(("algorithm.group_intake", f"{folder} holds {len(pending)} groups drawn and not yet trained "
+                                                "(saved with algorithm.group_intake=completion), which batch intake "
+                                                "would lose: resume with algorithm.group_intake=completion "
+                                                "algorithm.weight_update=in_flight, or run.resume=false"))
+    frozen = saved.get("freeze_router")  # None: saved before r3rl recorded it
+    if saved.get("optimizer_state") and frozen is not None and frozen != cfg.trainer.freeze_router:
+        found.append(("trainer.freeze_router", checkpoint.freeze_router_mismatch(folder, frozen)))
+    return found
 
 
 def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from r3rl import metrics as M
-from r3rl.eval.records import paired_gain, record_path
+from r3rl.eval.records import paired_gain, prompt_changes, record_path
 from r3rl.tracking.offline_reader import OfflineRun
 from r3rl.tracking.summary import summarize
 
@@ -43,6 +43,10 @@ class GridRow:
     gain: float  # held-out avg@k, last eval point minus first
     gain_se: float
     step_time: float  # seconds per step, mean
+    # per eval prompt (index order), its avg@k change and its problem: what pairs two runs' gains
+    # (r3rl.dashboard.stabiliser_verdicts); empty without the run's eval records
+    prompt_gains: tuple[float, ...] = ()
+    problems: tuple[str, ...] = ()
 
     @property
     def setup(self) -> str:
@@ -58,23 +62,25 @@ def _mean(run: OfflineRun, key: str) -> float:
     return summarize(run.history, keys=(key,)).get(key, {}).get("mean", math.nan)
 
 
-def held_out_gain(run: OfflineRun) -> tuple[float, float]:
+def held_out_gain(run: OfflineRun) -> tuple[float, float, tuple[float, ...], tuple[str, ...]]:
     """The first eval set's avg@k at the last eval point minus the first, ± the standard error of the mean per-prompt
-    change clustered by problem (the run folder's eval records), or the two points' errors combined without them."""
+    change clustered by problem, and the per-prompt changes with their problems (the run folder's eval records); the
+    two points' errors combined and no per-prompt changes without the records."""
     key = next((k for k in sorted(run.metric_keys()) if _AVG.fullmatch(k)), None)
     if key is None:
-        return math.nan, math.nan
+        return math.nan, math.nan, (), ()
     steps, values = run.series(key)
     if len(steps) < 2:
-        return math.nan, math.nan
+        return math.nan, math.nan, (), ()
     folder = Path(run.config.get("run", {}).get("output_dir", "")) / "eval"
     name = _AVG.fullmatch(key).group(1)
     if record_path(folder, name, steps[0]).is_file() and record_path(folder, name, steps[-1]).is_file():
         gain, se, _ = paired_gain(folder, name, steps[0], steps[-1])
-        return gain, se
+        changes, problems = prompt_changes(folder, name, steps[0], steps[-1])
+        return gain, se, tuple(changes), tuple(problems)
     _, errors = run.series(key + "_stderr")
     se = math.hypot(errors[0], errors[-1]) if len(errors) >= 2 else math.nan
-    return values[-1] - values[0], se
+    return values[-1] - values[0], se, (), ()
 
 
 def grid_row(run: OfflineRun, label: str | None = None) -> GridRow:
@@ -89,7 +95,7 @@ def grid_row(run: OfflineRun, label: str | None = None) -> GridRow:
     median = statistics.median(norms) if norms else math.nan
     mismatch = _mean(run, M.LOGPROB_ABS_DIFF)
     unreplayed = _mean(run, M.LOGPROB_ABS_DIFF_NO_REPLAY)
-    gain, se = held_out_gain(run)
+    gain, se, prompt_gains, problems = held_out_gain(run)
     return GridRow(
         label=label or run.name, replay=replay, correction=cfg.get("correction", {}).get("name", "?"),
         loss=alg.get("loss", "grpo"), frozen=bool(cfg.get("trainer", {}).get("freeze_router", False)),
@@ -99,7 +105,8 @@ def grid_row(run: OfflineRun, label: str | None = None) -> GridRow:
         later=_mean(run, "train/later_minibatch_logprob_abs_diff"), is_std=_mean(run, M.ROLLOUT_IS_STD),
         clip_frac=_mean(run, "train/clip_frac"), spikes=sum(p > SPIKE_FACTOR * median for p in peaks),
         grad_norm_max=max(peaks, default=math.nan), replace_rate=_mean(run, "train/router_replay_replace_rate"),
-        gain=gain, gain_se=se, step_time=_mean(run, M.PERF_STEP_TIME))
+        gain=gain, gain_se=se, step_time=_mean(run, M.PERF_STEP_TIME), prompt_gains=prompt_gains,
+        problems=problems)
 
 
 def grid_rows(runs: Sequence[OfflineRun], labels: Sequence[str] | None = None) -> list[GridRow]:

@@ -32,13 +32,20 @@ def write_record(record_dir: Path, name: str, step: int, rewards: Sequence[float
                                 "problems": [problems[g] if problems else str(g) for g in order]}))
 
 
-def paired_gain(record_dir: Path, name: str, first: int, last: int) -> tuple[float, float, int]:
-    """(mean per-prompt change of set ``name``'s score from ``first`` to ``last``, its standard error clustered by
-    problem, the number of distinct problems). Records written before problems were kept raise: their prompts'
-    problems are unknown, and counting every prompt as independent overstates the evidence."""
+def prompt_changes(record_dir: Path, name: str, first: int, last: int) -> tuple[list[float], list[str]]:
+    """Per prompt of set ``name`` (index order), its score at ``last`` minus at ``first``, and its problem. Records
+    written before problems were kept raise: their prompts' problems are unknown, and counting every prompt as
+    independent overstates the evidence."""
     a, b = (json.loads(record_path(record_dir, name, s).read_text()) for s in (first, last))
     if "problems" not in a or a.get("problems") != b.get("problems"):
         raise ValueError(f"{record_path(record_dir, name, first)}: per-prompt records without the same problem keys "
                          "at both points (written before r3rl clustered eval errors by problem); rerun the eval")
-    change, se = M.mean_and_stderr([y - x for x, y in zip(a["prompt_means"], b["prompt_means"])], a["problems"])
-    return change, se, len(set(a["problems"]))
+    return [y - x for x, y in zip(a["prompt_means"], b["prompt_means"])], list(a["problems"])
+
+
+def paired_gain(record_dir: Path, name: str, first: int, last: int) -> tuple[float, float, int]:
+    """(mean per-prompt change of set ``name``'s score from ``first`` to ``last``, its standard error clustered by
+    problem, the number of distinct problems)."""
+    changes, problems = prompt_changes(record_dir, name, first, last)
+    change, se = M.mean_and_stderr(changes, problems)
+    return change, se, len(set(problems))

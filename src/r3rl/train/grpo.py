@@ -70,35 +70,53 @@ MAX_SEQUENCE_LOG_RATIO = 10.0
 
 
 def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
-                       sequences: torch.Tensor) -> torch.Tensor:
+                       sequences: torch.Tensor, num_sequences: int) -> torch.Tensor:
     """GSPO's per-token log-ratio (GSPO-token, arXiv 2507.18071 §4.3, as verl's ``loss_mode=gspo``): every token of a
     sequence carries the sequence's length-normalised log-ratio, mean over its loss tokens of log pi - log pi_old,
     as a constant, plus its own log-prob minus the same detached: the value is the sequence's, the gradient each
-    token's. ``sequences`` says which sequence each position holds (any layout: right-padded rows or packed ones)."""
-    ids = torch.unique(sequences.flatten(), return_inverse=True)[1]
+    token's. ``sequences`` says which sequence each position holds (any layout: right-padded rows or packed ones),
+    as an id in ``[0, num_sequences)``: the size comes from the host, so nothing waits on the device."""
+    ids = sequences.flatten().long()
     weighted = ((logprobs - old_logprobs) * mask).flatten().detach()
-    count = torch.zeros(int(ids.max()) + 1, dtype=weighted.dtype, device=weighted.device)
+    count = torch.zeros(num_sequences, dtype=weighted.dtype, device=weighted.device)
     total = count.clone().scatter_add_(0, ids, weighted)
     count.scatter_add_(0, ids, mask.flatten().to(weighted.dtype))
     per_sequence = (total / count.clamp(min=1.0))[ids].view_as(logprobs)
     return torch.clamp(logprobs - logprobs.detach() + per_sequence, max=MAX_SEQUENCE_LOG_RATIO)
 
 
+def sequence_mean_weights(masks: Sequence[np.ndarray], global_batch_size: int) -> list[np.ndarray]:
+    """Per-token weights that turn the trainer's token mean into GSPO's sequence mean of token means (verl's
+    ``seq-mean-token-mean``, the paper's 1/G sum_i 1/|y_i| sum_t): within each optimizer mini-batch of
+    ``global_batch_size`` consecutive samples holding ``T`` loss tokens in ``S`` sequences that have any, a token of
+    a sequence with ``n`` of them weighs ``T / (S n)``. The trainer then divides the weighted sum by ``T``, as for
+    every loss. Host arithmetic on the masks every rank holds: no collective, no device sync."""
+    out = []
+    for start in range(0, len(masks), global_batch_size):
+        chunk = [np.asarray(m, dtype=np.float64) for m in masks[start:start + global_batch_size]]
+        counts = [float((m > 0).sum()) for m in chunk]
+        total, sequences = sum(counts), sum(c > 0 for c in counts)
+        out += [np.full(m.shape, total / (sequences * c) if c else 0.0, dtype=np.float32)
+                for m, c in zip(chunk, counts)]
+    return out
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 *, clip_low: float, clip_high: float, ref_logprobs: torch.Tensor | None = None,
                 kl_coef: float = 0.0, is_weights: torch.Tensor | None = None,
-                sequences: torch.Tensor | None = None) -> LossTerms:
+                sequences: torch.Tensor | None = None, num_sequences: int = 0) -> LossTerms:
     """PPO-clip surrogate with asymmetric clipping (``1-clip_low``, ``1+clip_high``) plus an optional k3 KL to a
     reference policy, summed over tokens where ``mask`` is set.
 
     ``is_weights``: the rollout correction's per-token weights (``r3rl.train.correction``), constants multiplying
     each token's policy-gradient term (pi_old / pi_rollout, the gap PPO's ratio does not see).
-    ``sequences`` (GSPO, ``algorithm.loss=gspo``): the sequence of each position; the ratio clipped is then the
-    sequence's (``sequence_log_ratio``) rather than each token's. The sum over tokens stays the trainer's token mean
-    (verl's GSPO recipe averages per sequence first, ``seq-mean-token-mean``)."""
+    ``sequences`` (GSPO, ``algorithm.loss=gspo``): the sequence of each position, ids below ``num_sequences``; the
+    ratio clipped is then the sequence's (``sequence_log_ratio``) rather than each token's. GSPO's mean over each
+    sequence's tokens, then over sequences, comes from the trainer's per-token weights
+    (``sequence_mean_weights``), not from here: this sum is per token."""
     mask = mask.to(logprobs.dtype)
     log_ratio = logprobs - old_logprobs if sequences is None else \
-        sequence_log_ratio(logprobs, old_logprobs, mask, sequences)
+        sequence_log_ratio(logprobs, old_logprobs, mask, sequences, num_sequences)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)

@@ -88,11 +88,30 @@ def soft_targets(probs: torch.Tensor, replayed: torch.Tensor, ratio: float) -> t
     return chosen, ~kept
 
 
+def check_soft_replay_router(router_config) -> None:
+    """Soft replay compares the trainer's scores of the replayed experts with its own top-k's, as probabilities of
+    a softmax router. A sigmoid router with an expert-score correction bias selects on biased scores and a
+    group-limited top-k picks within groups first (GLM-4.5, DeepSeek-V3): ``soft_targets`` would compare unbiased
+    scores over all experts, a filter those routers never apply. Refused, naming the key, until it is."""
+    why = []
+    if getattr(router_config, "moe_router_score_function", "softmax") != "softmax":
+        why.append(f"score function {router_config.moe_router_score_function}")
+    if getattr(router_config, "moe_router_enable_expert_bias", False):
+        why.append("an expert-score correction bias")
+    if (getattr(router_config, "moe_router_num_groups", None) or 1) > 1:
+        why.append(f"group-limited top-k ({router_config.moe_router_num_groups} groups)")
+    if why:
+        raise ValueError(f"replay=soft supports softmax routers without bias or groups; this model's router has "
+                         f"{', '.join(why)}: use replay=r3 (exact for every router)")
+
+
 def _soft_router_replay(ratio: float, router_config):
     """A Megatron ``RouterReplay`` whose forward replay keeps a replayed expert only where the trainer's router agrees
     enough (``soft_targets``) and queues what it routed for the backward recompute, so the recompute routes the
     same experts as the forward."""
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    check_soft_replay_router(router_config)
 
     class SoftRouterReplay(RouterReplay):
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):

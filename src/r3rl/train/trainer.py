@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from r3rl import metrics as M
+from r3rl import checkpoint as run_checkpoint
 from r3rl import route_trace
 from r3rl.config.modes import soft_replay_ratio
 from r3rl.config.schema import R3RLConfig
@@ -440,9 +441,9 @@ class MegatronTrainer:
         ``objective``: ``grpo`` (the policy loss) or ``sft`` (the NLL of the loss-mask tokens).
         ``pi_old`` (a dict, unpipelined only): the policy loss takes each forward's own log-probs, detached, as pi_old
         (``per_token`` holds none), and the dict receives them per sample index, as ``logprobs`` would.
-        ``later``: this global batch is not its rollout batch's first, so the two last sums are the loss tokens'
-        |log-prob - rollout log-prob| and their count (the later mini-batches' mismatch, ``per_token`` holding
-        ``rollout_logprobs``); zero otherwise."""
+        ``later``: this global batch is not its rollout batch's first, so the two last sums are the samples' mean
+        |log-prob - rollout log-prob| over their loss tokens, summed, and the samples counted (the later mini-batches'
+        mismatch, ``per_token`` holding ``rollout_logprobs`` and ``rollout_weight``); zero otherwise."""
         if pi_old is not None and self.pipelined:
             raise RuntimeError("pi_old from the training forward: not under pipeline parallel (1F1B)")
         from megatron.core.distributed import finalize_model_grads
@@ -451,14 +452,16 @@ class MegatronTrainer:
         mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes,
                                   per_token=per_token)
 
-        drift = []  # later mini-batches: (sum |log-prob - rollout log-prob|, tokens) per micro batch
+        drift = []  # later mini-batches: (sum of per-sample mean |log-prob - rollout log-prob|, samples) per micro batch
 
         def loss(token_lp: torch.Tensor, mb: MicroBatch) -> grpo.LossTerms:
             p = mb.per_token
             if later and "rollout_logprobs" in p:
-                counted = p["loss_mask"] > 0
+                # slime's per-sample mean, then over samples, as train/logprob_abs_diff: each loss token weighs
+                # 1/(its sample's loss tokens), so the weights sum to the samples counted
+                weight = p["rollout_weight"].double()
                 gap = (token_lp.detach().double() - p["rollout_logprobs"].double()).abs()
-                drift.append((torch.where(counted, gap, 0.0).sum(), counted.sum()))  # read back once, below
+                drift.append(((weight * gap).sum(), weight.sum()))  # read back once, below
             if objective == "sft":
                 return sft.nll_loss(token_lp, p["loss_mask"])
             old = token_lp.detach() if pi_old is not None else p["old_logprobs"]
@@ -468,7 +471,8 @@ class MegatronTrainer:
                                     clip_high=alg.gspo_clip_eps_high if gspo else alg.clip_eps_high,
                                     ref_logprobs=p.get("ref_logprobs"),
                                     kl_coef=alg.kl_coef if alg.use_kl_loss else 0.0,
-                                    is_weights=p.get("is_weights"), sequences=p.get("sequence"))
+                                    is_weights=p.get("is_weights"), sequences=p.get("sequence"),
+                                    num_sequences=len(samples))
 
         self.model.train()
         self.model.zero_grad_buffer()
@@ -517,8 +521,10 @@ class MegatronTrainer:
         return self._reduce_sums(sums), unconsumed
 
     def _per_token_inputs(self, samples: Sequence[Sample], advantages, old_logprobs, replay: bool,
-                          is_weights=None, loss_masks=None, *, pi_old_from_forward: bool = False
-                          ) -> dict[str, list[np.ndarray]]:
+                          is_weights=None, loss_masks=None, *, pi_old_from_forward: bool = False,
+                          mini_batch: int | None = None) -> dict[str, list[np.ndarray]]:
+        """The per-token inputs of the loss, per sample; ``mini_batch``: the samples one optimizer step takes
+        (default ``algorithm.global_batch_size``), over which GSPO's sequence mean is taken."""
         lengths = [s.response_length for s in samples]
         adv = grpo.per_token_advantages(advantages, lengths)
         masks = loss_masks if loss_masks is not None else [s.loss_mask for s in samples]
@@ -532,8 +538,14 @@ class MegatronTrainer:
             per_token["old_logprobs"] = [np.asarray(o, dtype=np.float32) for o in old_logprobs]
         if is_weights is not None:
             per_token["is_weights"] = [np.asarray(w, dtype=np.float32) for w in is_weights]
+        if self.cfg.algorithm.loss == "gspo":  # GSPO averages per sequence, then over sequences
+            seq = grpo.sequence_mean_weights(per_token["loss_mask"],
+                                             mini_batch or self.cfg.algorithm.global_batch_size)
+            per_token["is_weights"] = [w * s for w, s in zip(per_token.get("is_weights", seq), seq)] \
+                if is_weights is not None else seq
         if len(samples) > self.cfg.algorithm.global_batch_size:  # the later mini-batches' drift is measured
             per_token["rollout_logprobs"] = [np.asarray(s.rollout_logprobs, dtype=np.float32) for s in samples]
+            per_token["rollout_weight"] = [(m > 0) / max(float((m > 0).sum()), 1.0) for m in per_token["loss_mask"]]
         for name, values in (("loss_mask", per_token["loss_mask"]), ("is_weights", per_token.get("is_weights"))):
             bad = [i for i, (v, n) in enumerate(zip(values or [], lengths)) if v.shape != (n,)]
             if bad:
@@ -666,9 +678,10 @@ class MegatronTrainer:
         """One global batch's reduced gradients (``main_grad`` per parameter name), without an optimizer step;
         ``is_weights`` and ``loss_masks`` as in ``train_step``. ``loss_tokens``: the token count it divides by."""
         routes = self._validated_routes(samples, required=True) if replay else None
-        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks)
+        per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks,
+                                           mini_batch=len(samples))
         sums, left = self._accumulate(samples, list(range(len(samples))), per_token, routes, replay)
-        grads = {n: p.main_grad.detach().clone().cpu() for n, p in self.bare.named_parameters()}
+        grads = self._main_grads()
         self.model.zero_grad_buffer()
         return {"grads": grads, "loss": float(sums[0]) / max(float(sums[5]), 1.0), "loss_tokens": float(sums[5]),
                 "replay_backward_unconsumed": left,
@@ -701,11 +714,16 @@ class MegatronTrainer:
         return {"loss": float(sums[0]) / max(tokens, 1.0), "grad_norm": float(norm), "loss_tokens": tokens,
                 "lr": lr, "skipped_steps": float(not ok), "step": float(self.optimizer_step)}
 
+    def _main_grads(self) -> dict[str, torch.Tensor]:
+        """The reduced gradient of every parameter that trains; a frozen one (``trainer.freeze_router``) has no
+        ``main_grad`` buffer and is left out."""
+        return {n: p.main_grad.detach().clone().cpu() for n, p in self.bare.named_parameters() if p.requires_grad}
+
     def sft_gradients(self, samples: Sequence[Sample]) -> dict[str, Any]:
         """The reduced gradients (``main_grad`` per parameter name) and loss of one ``sft_step`` batch, without an
         optimizer step."""
         sums = self._sft_accumulate(samples)
-        grads = {n: p.main_grad.detach().clone().cpu() for n, p in self.bare.named_parameters()}
+        grads = self._main_grads()
         self.model.zero_grad_buffer()
         return {"grads": grads, "loss": float(sums[0]) / max(float(sums[5]), 1.0), "loss_tokens": float(sums[5])}
 
@@ -785,7 +803,9 @@ class MegatronTrainer:
         return checkpoint.save(path, state, rank=self.info.rank, world_size=self.info.world_size,
                                layout=self.info.layout, rng=self._rng_state(), queue=queue,
                                info={"optimizer_step": self.optimizer_step, "optimizer_state": stepped,
-                                     "optimizer_format": self.optimizer_format, "model_name": self.cfg.model.name})
+                                     "optimizer_format": self.optimizer_format, "model_name": self.cfg.model.name,
+                                     # frozen routers have no optimizer state: the state's shapes depend on it
+                                     "freeze_router": self.cfg.trainer.freeze_router})
 
     def _save_queue(self):
         if self._saves is None:
@@ -820,6 +840,9 @@ class MegatronTrainer:
         with_optimizer = optimizer and info["optimizer_state"]
         if with_optimizer:
             self._check_optimizer_format(path, info)
+            frozen = info.get("freeze_router")  # None: saved before r3rl recorded it
+            if frozen is not None and frozen != self.cfg.trainer.freeze_router:
+                raise ValueError(run_checkpoint.freeze_router_mismatch(path, frozen))
         state = self._sharded_state(optimizer=with_optimizer, is_loading=True,
                                     optimizer_format=info["optimizer_format"])
         state["r3rl"] = {}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_helpers import HFReference, build_samples, random_routes, with_routes
+from r3rl import metrics as M
 from r3rl.train.grpo import group_advantages
 
 
@@ -53,28 +54,52 @@ def test_grpo_steps_raise_the_likelihood_of_advantaged_responses(new_trainer):
 
 
 def test_gspo_moves_toward_the_advantage_and_clips_whole_sequences(new_trainer):
-    """``algorithm.loss=gspo``: two epochs on one rollout batch. Fails if GSPO's loss never reached the trainer (the
-    first epoch moves the policy as GRPO's would, but the second would then clip tokens one by one, not whole
-    sequences), if its sign were flipped, or if its own clip range were not used (0.2 would leave nothing
-    clipped after one small step)."""
+    """``algorithm.loss=gspo``: two epochs on one rollout batch, the second with one sample's advantage only (sample
+    j, whose sequence ratio the first epoch took past 1 + 4e-4). The clipped tokens are then exactly j's, all of
+    them, while the per-token ratios of j straddle the bound (a control computed here: per-token clipping would clip
+    some of j's tokens, not all). Fails if GSPO's loss never reached the trainer, if its sign were flipped, if its
+    own clip range were not used (0.2 would leave nothing clipped after one small step), or if the ratio clipped
+    were each token's."""
     trainer = new_trainer("trainer.micro_batch_size=2", "trainer.lr=3e-5", "algorithm.loss=gspo")
     samples, adv = fixed_batch()
     old = trainer.logprobs(samples, replay=True).logprobs
     first = trainer.train_step(samples, adv, replay=True, old_logprobs=old)
     assert first["clip_frac"] == 0.0  # every sequence's ratio is exactly 1 before the first update
-    second = trainer.train_step(samples, adv, replay=True, old_logprobs=old)
-    after = trainer.logprobs(samples, replay=True).logprobs
-    assert moved_toward_the_advantage(samples, adv, old, after) > 0
-    # the sequence ratio is shared by a sequence's loss tokens: the clipped share is a share of whole sequences
-    tokens = [int(s.loss_mask.sum()) for s in samples]
-    clipped_tokens = second["clip_frac"] * sum(tokens)
-    assert 0 < second["clip_frac"] and any(abs(clipped_tokens - sum(c)) < 0.5 for c in _subsets(tokens))
+    now = trainer.logprobs(samples, replay=True).logprobs
+    assert moved_toward_the_advantage(samples, adv, old, now) > 0
+    bound = np.log1p(4e-4)
+    log_ratios = [(np.asarray(y) - np.asarray(x))[s.loss_mask > 0] for s, x, y in zip(samples, old, now)]
+    over = [i for i, r in enumerate(log_ratios) if adv[i] > 0 and r.mean() > bound]
+    assert over, "the first epoch took no advantaged sequence past GSPO's bound"
+    j = max(over, key=lambda i: len(log_ratios[i]))
+    per_token = int((log_ratios[j] > bound).sum())
+    assert 0 < per_token < len(log_ratios[j]), "control: j's tokens must straddle the bound"
+    only = np.zeros_like(adv)
+    only[j] = adv[j]
+    second = trainer.train_step(samples, only, replay=True, old_logprobs=old)
+    tokens = sum(int(s.loss_mask.sum()) for s in samples)
+    assert second["clip_frac"] * tokens == pytest.approx(len(log_ratios[j]), abs=1e-3)
 
 
-def _subsets(values: list[int]):
-    from itertools import combinations
+def test_gspo_averages_each_sequence_then_the_sequences(new_trainer):
+    """GSPO's aggregation in Megatron: at ratio 1 (pi_old = the current weights) its gradient is GRPO's with each
+    token weighted 1/|sequence| (times the mini-batch's tokens over sequences, ``sequence_mean_weights``): the mean
+    over each sequence's tokens, then over sequences, as verl's ``seq-mean-token-mean`` and the GSPO paper. Fails if
+    GSPO took the token mean (its gradient would equal the unweighted GRPO one, which the unequal response lengths
+    here make differ)."""
+    from r3rl.train.grpo import sequence_mean_weights
 
-    return (c for r in range(len(values) + 1) for c in combinations(values, r))
+    samples, adv = fixed_batch(seed=9)
+    assert len({int(s.loss_mask.sum()) for s in samples}) > 1
+    gspo, grpo = new_trainer("algorithm.loss=gspo"), new_trainer()
+    old = grpo.logprobs(samples, replay=True).logprobs
+    weights = sequence_mean_weights([s.loss_mask for s in samples], len(samples))
+    got = gspo.gradients(samples, adv, replay=True, old_logprobs=old)["grads"]
+    weighted = grpo.gradients(samples, adv, replay=True, old_logprobs=old, is_weights=weights)["grads"]
+    plain = grpo.gradients(samples, adv, replay=True, old_logprobs=old)["grads"]
+    for name, g in got.items():
+        assert torch.allclose(g, weighted[name], rtol=1e-4, atol=1e-7), name
+    assert any(not torch.allclose(g, plain[name], rtol=1e-3, atol=1e-6) for name, g in got.items())
 
 
 def test_pi_old_from_the_training_forward_is_the_separate_pass_bit_for_bit(new_trainer):
@@ -208,8 +233,13 @@ def test_soft_replay_routes_the_filtered_experts_in_every_forward(new_trainer):
 def test_later_mini_batches_report_their_drift_from_the_rollout(new_trainer):
     """Two optimizer steps per rollout batch: the second's forwards run on weights the first moved, so their
     |log-prob - rollout log-prob| is logged. Fails if the first mini-batch were counted (its forward is pi_old's
-    own, before any update: the figure would not depend on the lr) or if one step per batch logged it."""
+    own, before any update: the figure would not depend on the lr) or if one step per batch logged it, or if the
+    rollout log-probs were not subtracted (they are far from 0 here), or if tokens were pooled across samples instead
+    of slime's per-sample mean that train/logprob_abs_diff takes (the samples' lengths differ)."""
     samples, adv = fixed_batch()
+    rng = np.random.default_rng(2)
+    for s in samples:
+        s.rollout_logprobs = rng.normal(-2.0, 1.0, s.response_length).astype(np.float32)
     rollout = [s.rollout_logprobs for s in samples]
     drift = {}
     for lr in (1e-6, 1e-3):
@@ -221,8 +251,7 @@ def test_later_mini_batches_report_their_drift_from_the_rollout(new_trainer):
         # here, so the bound is that of the untouched weights when the lr is tiny)
         if lr == 1e-6:
             before = trainer.logprobs(samples[4:], replay=True).logprobs
-            expect = sum(float((np.abs(b - r) * s.loss_mask).sum()) for s, b, r in zip(samples[4:], before, rollout[4:]))
-            expect /= sum(float(s.loss_mask.sum()) for s in samples[4:])
+            expect = M.logprob_abs_diff(before, rollout[4:], [s.loss_mask for s in samples[4:]])
             assert drift[lr] == pytest.approx(expect, rel=1e-2)
         trainer.shutdown()
     assert drift[1e-3] > drift[1e-6]

@@ -331,3 +331,31 @@ def test_soft_replay_is_r3_with_a_ratio_in_range():
         compose(["replay=soft", "replay.soft_ratio=2"])
     with pytest.raises(ConfigError, match="replay=soft replays the engine's routes"):
         compose(["replay=soft", "rollout=vllm"])
+
+
+def test_a_checkpoint_saved_with_the_router_frozen_resumes_only_frozen(tmp_path):
+    """``trainer.freeze_router`` leaves the routers out of the optimizer, so a checkpoint's optimizer state has other
+    shapes with it on or off (Megatron failed inside its load with a shape error). Fails if the preflight let a
+    toggled resume start, refused the same setting, or refused a checkpoint without optimizer state (weights only
+    load either way) or one saved before the setting was recorded."""
+    from r3rl import checkpoint
+    from r3rl.config import compose as compose_config
+    from r3rl.preflight import resume_problems
+
+    base = ["model=tiny_moe", "parallelism=cpu", f"run.output_dir={tmp_path}"]
+
+    def saved(step, **info):
+        def write(folder):  # what the trainer ranks leave in a finished save
+            (folder / checkpoint.TRAINER_DIR).mkdir()
+            (folder / checkpoint.TRAINER_DIR / checkpoint.COMPLETE).write_text(json.dumps(
+                {"format": checkpoint.TRAINER_FORMAT, **info}))
+        checkpoint.save(tmp_path, checkpoint.CheckpointMeta(step=step, data_state={"epoch": 0, "position": 9}), write)
+
+    saved(3, optimizer_state=True, freeze_router=True)
+    (key, reason), = resume_problems(compose_config(base))
+    assert key == "trainer.freeze_router" and "saved with trainer.freeze_router=true" in reason
+    assert resume_problems(compose_config([*base, "trainer.freeze_router=true"])) == []
+    saved(4, optimizer_state=False, freeze_router=True)
+    assert resume_problems(compose_config(base)) == []
+    saved(5, optimizer_state=True)
+    assert resume_problems(compose_config(base)) == []

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from r3rl.train.grpo import group_advantages, per_token_advantages, policy_loss
+from r3rl.train.grpo import group_advantages, per_token_advantages, policy_loss, sequence_mean_weights
 from r3rl.train.optim import lr_at
 
 
@@ -93,7 +93,7 @@ def test_gspo_clips_the_sequence_ratio_as_verl_does_in_padded_and_packed_rows():
     adv = torch.tensor([[1.0], [-0.5], [2.0]], dtype=torch.float64).expand(3, 5).contiguous()
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.float64)
     ids = torch.arange(3, dtype=torch.float64)[:, None].expand(3, 5)
-    ours = policy_loss(lp, old, adv, mask, clip_low=3e-4, clip_high=4e-4, sequences=ids)
+    ours = policy_loss(lp, old, adv, mask, clip_low=3e-4, clip_high=4e-4, sequences=ids, num_sequences=3)
     theirs = (verl_gspo_token_losses(lp, old, adv, mask, 3e-4, 4e-4) * mask).sum()
     (g_ours,) = torch.autograd.grad(ours.loss, lp)
     (g_theirs,) = torch.autograd.grad(theirs, lp)
@@ -103,12 +103,42 @@ def test_gspo_clips_the_sequence_ratio_as_verl_does_in_padded_and_packed_rows():
     packed = lambda x: x.reshape(1, 15)  # noqa: E731 - the three rows end to end, as a packed micro batch
     lp_packed = lp.detach().clone().reshape(1, 15).requires_grad_(True)
     again = policy_loss(lp_packed, packed(old), packed(adv), packed(mask), clip_low=3e-4, clip_high=4e-4,
-                        sequences=packed(ids))
+                        sequences=packed(ids), num_sequences=3)
     (g_packed,) = torch.autograd.grad(again.loss, lp_packed)
     assert torch.allclose(again.loss, ours.loss) and torch.allclose(g_packed.reshape(3, 5), g_ours)
 
     two = torch.tensor([[0.3, -0.1]], dtype=torch.float64)  # log pi - log pi_old per token
     hand = policy_loss(two.clone().requires_grad_(True), torch.zeros_like(two), torch.ones_like(two),
-                       torch.ones_like(two), clip_low=3e-4, clip_high=4e-4, sequences=torch.zeros_like(two))
+                       torch.ones_like(two), clip_low=3e-4, clip_high=4e-4, sequences=torch.zeros_like(two),
+                       num_sequences=1)
     assert torch.allclose(hand.loss, torch.tensor(-2 * 1.0004, dtype=torch.float64))
     assert float(hand.clipped) == 2.0
+
+
+def test_gspo_at_ratio_1_has_grpos_per_token_gradient():
+    """On-policy (log pi = log pi_old) every sequence ratio is exactly 1, so GSPO-token's per-token gradient is
+    GRPO's, -A grad log pi per token (docs/r3.md). Fails if the sequence mean carried a gradient (each token would
+    get the mean of its sequence's gradients) or GSPO's clip acted at ratio 1."""
+    torch.manual_seed(1)
+    lp = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[1.5], [-0.7]], dtype=torch.float64).expand(2, 4).contiguous()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    ids = torch.arange(2, dtype=torch.float64)[:, None].expand(2, 4)
+    gspo = policy_loss(lp, lp.detach(), adv, mask, clip_low=3e-4, clip_high=4e-4, sequences=ids, num_sequences=2)
+    grpo = policy_loss(lp, lp.detach(), adv, mask, clip_low=0.2, clip_high=0.28)
+    (g_gspo,), (g_grpo,) = torch.autograd.grad(gspo.loss, lp), torch.autograd.grad(grpo.loss, lp)
+    assert torch.equal(g_gspo, g_grpo) and torch.allclose(g_grpo, -adv * mask)
+    assert float(gspo.clipped) == 0.0
+
+
+def test_gspo_weights_average_each_sequence_then_the_sequences_of_each_mini_batch():
+    """``sequence_mean_weights``: mini-batch 1 holds sequences of 1 and 3 loss tokens (T 4, S 2: weights 2 and 2/3),
+    mini-batch 2 one of 2 tokens and one with none (T 2, S 1: weight 1, and 0 where nothing counts). Weighted and
+    divided by T, a loss of 1 per token of sequence 0 and 0 elsewhere is 1/2, the sequence mean of token means
+    (the token mean would give 1/4). Fails if the mean were over tokens (every weight 1), over the whole rollout
+    batch instead of each mini-batch, or counted a sequence with no loss token."""
+    masks = [np.array([1.0, 0.0]), np.array([1.0, 1.0, 1.0]), np.array([1.0, 1.0]), np.zeros(2)]
+    w = sequence_mean_weights(masks, 2)
+    assert [x.tolist() for x in w] == [[2.0, 2.0], pytest.approx([2 / 3] * 3), [1.0, 1.0], [0.0, 0.0]]
+    loss = [np.array([1.0, 0.0]), np.zeros(3)]
+    assert sum(float((l * m * x).sum()) for l, m, x in zip(loss, masks, w)) / 4 == pytest.approx(0.5)

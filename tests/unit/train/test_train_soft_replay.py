@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -89,3 +90,22 @@ def test_the_backward_recompute_replays_what_the_forward_routed():
         assert again.tolist() == [[0, 3, 1]] and replay.replay_backward_list == []
     finally:
         RouterReplay.global_router_replay_instances.remove(replay)
+
+
+@pytest.mark.parametrize("router, named", [
+    (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), "score function sigmoid"),
+    (dict(moe_router_enable_expert_bias=True), "expert-score correction bias"),
+    (dict(moe_router_num_groups=8, moe_router_group_topk=4), "group-limited top-k (8 groups)"),
+])
+def test_soft_replay_refuses_routers_it_cannot_filter(router, named):
+    """Sigmoid routers with an expert-score bias and group-limited top-k (GLM-4.5, DeepSeek-V3) select on scores
+    ``soft_targets`` does not compute. Fails if such a router got the soft filter (it would compare unbiased scores
+    over all groups), or the error did not name ``replay=soft`` and the router's feature."""
+    from r3rl.train.replay import check_soft_replay_router
+
+    config = SimpleNamespace(**{"moe_router_score_function": "softmax", "moe_router_pre_softmax": False, **router})
+    with pytest.raises(ValueError, match=f"replay=soft.*{re.escape(named)}"):
+        check_soft_replay_router(config)
+    with pytest.raises(ValueError, match="replay=soft"):
+        _soft_router_replay(0.5, config)
+    check_soft_replay_router(SimpleNamespace(moe_router_score_function="softmax", moe_router_num_groups=None))
