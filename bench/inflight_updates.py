@@ -6,10 +6,13 @@ by side in one invocation, one run after the other on the same machine.
 Modes: in turn (``algorithm.max_staleness=0``), one step ahead (``=1``, ``algorithm.weight_update=between_batches``),
 in flight (``=1``, ``in_flight``) and in flight taking groups in completion order (``algorithm.group_intake=
 completion``: a stream of two batches' groups, a step takes the first to complete), all with ``correction=tis`` and
-R3. The default recipe answers in ~14 tokens, long before a train step ends, so no sync would land inside a batch:
-the bench makes generation outlast the step (``rollout.sampling.min_tokens``: no EOS before it) and keeps a long
-tail past it (``max_tokens``; the length mean and max are printed). Step 1 is left out of the rates (an overlapped
-run generates its first batch alone). Printed per mode: trained samples per second (as a ratio to in turn), the engine's idle share
+R3. On GPUs generation sets the step; on 2 CPU cores the trainer does (the default recipe answers in ~14 tokens,
+and even long answers are generated faster than the trainer takes them), so no sync would land inside a batch. The
+bench puts generation back in charge (``ENGINE_BOUND``): batches of 16 samples, responses of at least
+``--min-tokens`` (``rollout.sampling.min_tokens``: no EOS before it) with a long tail to ``--max-tokens``, and an
+engine that runs 4 sequences at a time (``rollout.engine.max_num_seqs``). Forced lengths train on text the model
+would not write, so the held-out gain here is no learning figure (docs/async.md has the default recipe's). Step 1
+is left out of the rates (an overlapped run generates its first batch alone). Printed per mode: trained samples per second (as a ratio to in turn), the engine's idle share
 during the steps (``/metrics``: no request running or waiting, polled every 0.1 s), staleness per token, the share
 of samples spanning two versions, the samples evicted as stale, the groups that overtook a slower one, the mismatch with and without replay over the tokens of the current and of older
 weight versions, and the held-out gain (eval at step 0 and the last step, paired over prompts, clustered by problem).
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ lives a
 
 from r3rl import metrics as M  # noqa: E402
 from r3rl.rollout import auth  # noqa: E402
+from r3rl.rollout.engine_metrics import counter  # noqa: E402
 
 MODES = {"in turn": ["algorithm.max_staleness=0"],
          "one step ahead": ["algorithm.max_staleness=1", "algorithm.weight_update=between_batches"],
@@ -43,6 +47,7 @@ MODES = {"in turn": ["algorithm.max_staleness=0"],
          "completion order": ["algorithm.max_staleness=1", "algorithm.weight_update=in_flight",
                               "algorithm.group_intake=completion"]}
 LONG_TAIL_TOKENS = (160, 384)  # (min, max): --min-tokens / --max-tokens
+ENGINE_BOUND = ["algorithm.rollout_batch_size=4", "algorithm.global_batch_size=16", "rollout.engine.max_num_seqs=4"]
 
 
 class IdleMeter:
@@ -61,8 +66,7 @@ class IdleMeter:
                     text = client.get(f"{self.url}/metrics").text
                 except httpx.HTTPError:
                     continue
-                busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                           if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+                busy = counter(text, "vllm:num_requests_running") + counter(text, "vllm:num_requests_waiting")
                 self.samples.append((time.monotonic(), busy == 0))
 
     def __enter__(self):
@@ -85,7 +89,7 @@ def run(label: str, steps: int, out_dir: Path, overrides: list[str], tokens: tup
 
     cfg = compose(["parallelism=cpu", "rollout=vllm_r3", "correction=tis", f"run.num_steps={steps}",
                    f"run.output_dir={out_dir}", "run.save_every=1000", f"run.eval_every={steps}",
-                   "logger.wandb.mode=disabled", f"rollout.sampling.min_tokens={tokens[0]}",
+                   "logger.wandb.mode=disabled", *ENGINE_BOUND, f"rollout.sampling.min_tokens={tokens[0]}",
                    f"rollout.sampling.max_tokens={tokens[1]}", *MODES[label], *overrides])
     recipe = GRPORecipe(warm_start.ensure(cfg))
     windows: list[tuple[float, float]] = []
@@ -160,6 +164,7 @@ def main() -> None:
     row("staleness per token (versions)", lambda r: f"{mean(r['rows'], M.STALENESS_TOKEN_MEAN):.2f}")
     row("samples spanning two versions", lambda r: f"{mean(r['rows'], M.SPANNING_VERSIONS_SHARE):.2f}")
     row("samples out of the loss as stale, per step", lambda r: f"{mean(r['rows'], M.DROPPED_STALE):.1f}")
+    row("engine preemptions, per step", lambda r: f"{mean(r['rows'], M.PREEMPTIONS):.1f}")
     row("groups overtaking a slower one, per step", lambda r: f"{mean(r['rows'], M.GROUPS_OVERTAKING):.1f}")
     for which in ("current", "older"):
         for key, what in ((M.LOGPROB_ABS_DIFF_VERSION_TOKENS, "replay"),

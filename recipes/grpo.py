@@ -35,6 +35,7 @@ from r3rl.data.reward import grade
 from r3rl.env import build_environment, multi_turn
 from r3rl.env.episodes import EpisodePrompt, EpisodeRunner, EpisodeSettings
 from r3rl.env.stitch import shift_turn_rows
+from r3rl.rollout import engine_metrics
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import EngineError, route_store_failure
 from r3rl.rollout.group_stream import Drawn, GroupFailed, GroupStream, requeued
@@ -92,6 +93,8 @@ class GRPORecipe(common.Recipe):
 
     def engines_started(self) -> None:
         self.client = RolloutClient.from_config(self.cfg, self.engines.urls)
+        # what an attached engine counted before this run is not this run's
+        self.preemptions_seen = engine_metrics.read_counter(self.engines.urls, engine_metrics.PREEMPTIONS)
         if self.environment is not None:
             self.episodes = EpisodeRunner(self.client, self.environment, self.tokenizer, EpisodeSettings.of(self.cfg),
                                           stop_token_ids=[self.tokenizer.eos_token_id])
@@ -248,6 +251,7 @@ class GRPORecipe(common.Recipe):
                     [replayed.logprobs[i] for i in fresh], [samples[i].rollout_logprobs for i in fresh],
                     [samples[i].loss_mask for i in fresh])
             values.update(version_token_mismatch(samples, step - 1, replayed, unreplayed))
+        values.update(self.preemptions(samples))
         values.update({f"train/{k}": float(v) for k, v in train_out.items()
                        if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
         if self.colocated:  # what the trainer still held on its GPUs when the engines woke (0 on a CPU)
@@ -360,8 +364,10 @@ class GRPORecipe(common.Recipe):
             raise RuntimeError(f"weight sync to version {version} while the batch of step {self.ahead[0]} is still "
                                "generating: wait for it first")
         super().sync_weights(version, in_flight=in_flight)
-        if self.in_flight:
-            for client in [self.client, *self.live_clients]:
+        if self.in_flight:  # every client the recipe owns: the evaluator's too, or an eval point after an in-flight
+            # update could be served prefix blocks that older weights computed
+            evaluator = [self.evaluator.client] if self.evaluator is not None else []
+            for client in [self.client, *self.live_clients, *evaluator]:
                 client.serve_version(version)
         if self.stream is not None:  # groups drawn from now on come out of the new version
             self.stream.allow(group_draw_limit(self.cfg, version))
@@ -466,6 +472,19 @@ class GRPORecipe(common.Recipe):
             # an aborted sample has no complete response: training on it would be silently off-policy
             raise EngineError(f"step {step}: samples {aborted} were aborted by the engine; nothing was trained")
         return self.traced(samples)
+
+    def preemptions(self, samples: list[Sample]) -> dict[str, float]:
+        """The engines' preemptions since the last step (``vllm:num_preemptions_total``); with in-flight updates,
+        also the samples that spanned an update in a step with preemptions: each may have been preempted before the
+        update and recomputed after it by newer weights than the routes it returned (an upper bound; 0 proves none
+        was)."""
+        total = engine_metrics.read_counter(self.engines.urls, engine_metrics.PREEMPTIONS)
+        out = {M.PREEMPTIONS: total - self.preemptions_seen}
+        self.preemptions_seen = total
+        if self.in_flight:
+            spanning = sum(len(np.unique(staleness.token_versions(s))) > 1 for s in samples)
+            out[M.PREEMPTED_SPANNING_SAMPLES] = float(spanning if out[M.PREEMPTIONS] > 0 else 0)
+        return out
 
     def traced(self, samples: list[Sample]) -> list[Sample]:
         """``debug.route_trace``: each sample's digest as the rollout returned it (``r3rl.route_trace``)."""

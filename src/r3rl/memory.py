@@ -419,6 +419,48 @@ def estimate(cfg: R3RLConfig, trainer_dtype: str, engine_dtype: str, load_format
                       checkpoint_load_format=load_format or cfg.trainer.checkpoint.sharding)
 
 
+def kv_bytes_per_token(cfg: R3RLConfig, engine_dtype: str) -> int:
+    """KV cache bytes one token takes on one engine GPU: K and V of every layer's KV heads (split over the engine's
+    tensor parallel, at least one head a GPU)."""
+    m = cfg.model
+    heads = max(m.num_query_groups // cfg.parallelism.rollout.tensor_parallel, 1)
+    return int(m.num_layers * 2 * heads * m.head_dim * DTYPE_BYTES[engine_dtype])
+
+
+def in_flight_sequences(cfg: R3RLConfig) -> int:
+    """``algorithm.weight_update=in_flight``: the sequences one engine may hold running at once. Batch intake has
+    two batches generating (the one the trainer waits for and the next, started before it ends), completion
+    intake its group buffer; vLLM runs at most ``rollout.engine.max_num_seqs`` of them."""
+    from r3rl.config.modes import engine_concurrency
+
+    alg = cfg.algorithm
+    engines = 1 if cfg.rollout.engine.url else max(cfg.parallelism.rollout.num_engines, 1)
+    if alg.group_intake == "completion":
+        groups = alg.group_buffer or (alg.max_staleness + 1) * alg.rollout_batch_size
+        running = -(-groups * alg.n_samples_per_prompt // engines)
+    else:
+        running = 2 * engine_concurrency(cfg)
+    cap = cfg.rollout.engine.max_num_seqs
+    return min(running, cap) if cap else running
+
+
+def in_flight_kv_shortfall(cfg: R3RLConfig, engine_dtype: str, plan: MemoryPlan) -> tuple[int, int] | None:
+    """(tokens the in-flight sequences can grow to, KV tokens an engine GPU holds) when the first exceeds the
+    second: vLLM then preempts and recomputes running requests, and one preempted before an in-flight update and
+    resumed after it is recomputed by the new weights while the trainer replays its first forward's rows. A
+    sequence grows to its prompt plus ``max_tokens`` at most (never past ``max_model_len``). None when it fits, or
+    when the KV cache is not planned (no GPU budget and no ``kv_cache_memory_bytes``)."""
+    if cfg.algorithm.weight_update != "in_flight":
+        return None
+    kv = [p.bytes for g in plan.gpus for _, p in g.parts if p.name.startswith("engine KV cache")]
+    if not kv:
+        return None
+    length = min(cfg.rollout.engine.max_model_len, cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens)
+    need = in_flight_sequences(cfg) * length
+    holds = kv[0] // kv_bytes_per_token(cfg, engine_dtype)
+    return (need, holds) if need > holds else None
+
+
 def engine_weights_fit(cfg: R3RLConfig, plan: MemoryPlan) -> bool:
     """The engine's weights fit in its ``gpu_memory_utilization`` share (vLLM refuses to start otherwise)."""
     eng = cfg.rollout.engine

@@ -150,9 +150,17 @@ METRIC_DOCS: tuple[MetricDoc, ...] = tuple([
         ((M.STALENESS_MEAN, M.STALENESS_MAX, M.DROPPED_STALE),
          "algorithm.max_staleness: trainer versions between a sample's oldest generating weights and the weights it "
          "is trained from, mean and max; samples out of the loss because their group holds one past the bound"),
+        ((M.PREEMPTIONS, M.PREEMPTED_SPANNING_SAMPLES),
+         "the engines' preemptions during the step (vllm:num_preemptions_total: a request recomputed after its KV "
+         "blocks were taken); weight_update=in_flight: samples that spanned an update in a step with preemptions, an "
+         "upper bound on those recomputed by newer weights than the routes they returned (0 proves none was)"),
+        (M.EVICTED_RESPONSE_LENGTH_MEAN,
+         "mean response length of the samples out of the loss as stale (absent when none are): beside "
+         "rollout/response_length_mean it shows how much completion-order intake favours short responses"),
         ((M.STALENESS_TOKEN_MEAN, M.SPANNING_VERSIONS_SHARE),
-         "per response token in the loss, trainer version minus the token's version, mean; share of samples whose "
-         "tokens came from more than one version (weight_update=in_flight)"),
+         "per response token in the loss, trainer version minus the version that sampled it (vLLM's spans, not "
+         "capped by the version its request was sent under), mean; share of samples whose tokens came from more "
+         "than one version (weight_update=in_flight)"),
         ((M.GROUPS_PENDING, M.GROUPS_OVERTAKING),
          "group_intake=completion: groups drawn and not yet trained once the step took its own; the step's groups "
          "drawn after one still pending (they overtook it)"),

@@ -157,9 +157,17 @@ OVERLONG_PENALTY_MEAN = "rollout/overlong_penalty_mean"
 STALENESS_MEAN = "rollout/staleness_mean"
 STALENESS_MAX = "rollout/staleness_max"
 DROPPED_STALE = "rollout/dropped_stale"
-# per response token in the loss: trainer version minus the version that generated the token (a request sent under
-# an older version counts as that version); and the share of samples whose tokens came from more than one version
-# (algorithm.weight_update=in_flight)
+# the mean response length of the samples taken out as stale (absent when none are): completion-order intake evicts
+# the groups that took longest, so it favours short responses, and this shows by how much
+EVICTED_RESPONSE_LENGTH_MEAN = "rollout/evicted_response_length_mean"
+# the engines' preemptions during the step (vllm:num_preemptions_total); with in-flight updates, the samples that
+# spanned an update in a step with preemptions (each may have been recomputed by newer weights than its routes'
+# forward: an upper bound, 0 proves none was)
+PREEMPTIONS = "rollout/preemptions"
+PREEMPTED_SPANNING_SAMPLES = "rollout/preempted_spanning_samples"
+# per response token in the loss: trainer version minus the version that sampled the token (vLLM's spans; the version
+# a request was sent under bounds only the sample's own version); and the share of samples whose tokens came from
+# more than one version (algorithm.weight_update=in_flight)
 STALENESS_TOKEN_MEAN = "rollout/staleness_token_mean"
 SPANNING_VERSIONS_SHARE = "rollout/spanning_versions_share"
 # algorithm.group_intake=completion: groups drawn and not yet trained once the step took its own (generating, or

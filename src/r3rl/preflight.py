@@ -206,6 +206,19 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     resume_is_larger = saved is not None and saved != cfg.trainer.checkpoint.sharding and \
         plan.checkpoint_load_host_bytes > plan.checkpoint_save_host_bytes
     problems = []
+    engine_dtype = resolve_dtype(cfg.rollout.engine.dtype, device)
+    short = memory.in_flight_kv_shortfall(cfg, engine_dtype, plan)
+    if short is not None:
+        need, holds = short
+        key = "rollout.engine.kv_cache_memory_bytes" if cfg.rollout.engine.kv_cache_memory_bytes is not None \
+            else memory.engine_memory_share_key(cfg)
+        problems.append((key, f"in_flight weight updates: {memory.in_flight_sequences(cfg)} sequences in flight on "
+                              f"an engine can grow to {need} tokens of KV cache, which holds ~{holds}: vLLM would "
+                              "preempt and recompute requests, and one resumed after an update is recomputed by "
+                              "newer weights than the routes the trainer replays; raise it, or lower "
+                              "rollout.engine.max_num_seqs or "
+                              + ("algorithm.group_buffer" if cfg.algorithm.group_intake == "completion" else
+                                 "rollout.engine.max_concurrency")))
     if not memory.engine_weights_fit(cfg, plan):
         problems.append((memory.engine_memory_share_key(cfg),
                          f"{memory.engine_memory_share(cfg)} of {cfg.parallelism.gpu_memory_gib} GiB does "

@@ -333,3 +333,27 @@ def memory_block(cfg) -> dict:
     from r3rl.memory import checkpoint_host_table
 
     return checkpoint_host_table(cfg, build_plan(cfg).memory)
+
+
+IN_FLIGHT = ["parallelism=cpu", "algorithm.max_staleness=1", "correction=tis", "algorithm.weight_update=in_flight"]
+
+
+@pytest.mark.parametrize("intake", [[], ["algorithm.group_intake=completion"]], ids=["batch", "completion"])
+def test_in_flight_settings_whose_sequences_outgrow_the_kv_cache_are_refused_naming_the_key(intake):
+    """vLLM preempts and recomputes running requests when its KV cache runs short, and a request preempted before an
+    in-flight update and resumed after it is recomputed by the new weights while the trainer replays its first
+    forward's rows. The CPU default fits (256 running sequences of <= 144 tokens in 65,536 tokens of KV, 1 KiB a
+    token of the tiny bf16 model); 8 MiB does not. Fails if the plan ignored the in-flight sequences (the 8 MiB
+    config would pass and preempt), named no key, or refused the default."""
+    from r3rl import memory
+
+    cfg = compose([*IN_FLIGHT, *intake])
+    assert memory.kv_bytes_per_token(cfg, "bfloat16") == 4 * 2 * 2 * 32 * 2
+    assert memory.in_flight_sequences(cfg) == 256
+    with pytest.raises(ConfigError) as info:
+        compose([*IN_FLIGHT, *intake, "rollout.engine.kv_cache_memory_bytes=8388608"])
+    (key, reason), = info.value.problems
+    assert key == "rollout.engine.kv_cache_memory_bytes" and "256 sequences" in reason and "36864 tokens" in reason
+    assert ("algorithm.group_buffer" if intake else "rollout.engine.max_concurrency") in reason
+    # between batches nothing is recomputed under other weights: the same KV cache is no problem there
+    compose(["parallelism=cpu", "rollout.engine.kv_cache_memory_bytes=8388608"])

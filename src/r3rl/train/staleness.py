@@ -42,9 +42,12 @@ def drop_stale(samples: Sequence[Sample], trainer_version: int, max_staleness: i
     evicted = {s.group for s, age in zip(samples, ages) if age > max_staleness}
     drop = [s.group in evicted for s in samples]
     kept = [dataclasses.replace(s, loss_mask=np.zeros_like(s.loss_mask)) if d else s for s, d in zip(samples, drop)]
-    return kept, {M.STALENESS_MEAN: float(ages.mean()) if ages.size else 0.0,
-                  M.STALENESS_MAX: float(ages.max()) if ages.size else 0.0,
-                  M.DROPPED_STALE: float(sum(drop))}
+    stats = {M.STALENESS_MEAN: float(ages.mean()) if ages.size else 0.0,
+             M.STALENESS_MAX: float(ages.max()) if ages.size else 0.0,
+             M.DROPPED_STALE: float(sum(drop))}
+    if any(drop):
+        stats[M.EVICTED_RESPONSE_LENGTH_MEAN] = float(np.mean([s.response_length for s, d in zip(samples, drop) if d]))
+    return kept, stats
 
 
 def token_versions(sample: Sample) -> np.ndarray:

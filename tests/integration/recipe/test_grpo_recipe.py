@@ -208,18 +208,26 @@ def test_an_engine_that_cannot_start_ends_the_run_naming_it_and_leaves_nothing(t
         shutil.rmtree(ray_temp, ignore_errors=True)
 
 
+# in flight, generation outlasts the trainer's step as on GPUs: one sequence at a time and at least 200 tokens each,
+# so step 2's batch (started with step 1's) is still generating when step 1's weights go to the engine
+ENGINE_BOUND = ("rollout.engine.max_num_seqs=1", "rollout.sampling.min_tokens=200", "rollout.sampling.max_tokens=240")
+
+
 @pytest.mark.parametrize("overlap", [("algorithm.max_staleness=0",),
-                                     ("algorithm.max_staleness=1", "algorithm.weight_update=in_flight")],
+                                     ("algorithm.max_staleness=1", "algorithm.weight_update=in_flight",
+                                      *ENGINE_BOUND)],
                          ids=["in_turn", "in_flight"])
 def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, tiny_model_dir, overlap):
     """The engine's process group is killed under the running recipe: exit 1, an error naming the engine, the last
     completed step's checkpoint, nothing left running. In flight (the engines take each step's weights under the
     batch they generate, /pause?mode=keep, and start the next batch beside it; max_staleness 1 between batches runs
     in test_async_recipe.py and the two-host test), the kill comes after two steps whose syncs went in flight, which
-    trained with every replayed route matched and no sample older than the bound. Fails if the producer threads'
-    failure were lost (the run would hang on its batch, or end as a success), if the in-flight sync reset the
-    prefix cache (vLLM refuses it while requests hold blocks: the run would end at step 2) or paused otherwise than
-    with mode=keep, or if replay broke on samples whose tokens span two versions."""
+    trained with every replayed route matched and no sample older than the bound; step 2's batch was generating
+    when step 1's weights landed, so its running sample spans two versions. Fails if the producer threads' failure
+    were lost (the run would hang on its batch, or end as a success), if the in-flight sync reset the prefix cache
+    (vLLM refuses it while requests hold blocks: the run would end at step 2) or paused otherwise than with
+    mode=keep, if replay broke on samples whose tokens span two versions, or if the version a request was sent
+    under capped its tokens' versions again (step 2's spanning share would read 0)."""
     run_dir = tmp_path / "dead_engine"
     in_flight = "algorithm.weight_update=in_flight" in overlap
     proc = start_recipe(run_dir, "run.num_steps=6", "run.save_every=1", "run.eval_every=0", *overlap,
@@ -249,4 +257,7 @@ def test_dead_engine_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, 
         for step in (1, 2):
             row = rows[step]
             assert row[M.REPLAY_MISMATCH_ROWS] == 0.0 and row[M.DROPPED_STALE] == 0, row
-            assert row[M.STALENESS_MAX] == (0 if step == 1 else 1) and 0 <= row[M.SPANNING_VERSIONS_SHARE] <= 1
+            assert row[M.STALENESS_MAX] == (0 if step == 1 else 1)
+            assert row[M.PREEMPTIONS] == 0 and row[M.PREEMPTED_SPANNING_SAMPLES] == 0
+        assert rows[1][M.SPANNING_VERSIONS_SHARE] == 0 < rows[2][M.SPANNING_VERSIONS_SHARE]
+        assert M.LOGPROB_ABS_DIFF_VERSION_TOKENS.format(which="current") in rows[2]

@@ -55,25 +55,24 @@ def test_grpo_steps_raise_the_likelihood_of_advantaged_responses(new_trainer):
 
 def test_gspo_moves_toward_the_advantage_and_clips_whole_sequences(new_trainer):
     """``algorithm.loss=gspo``: two epochs on one rollout batch, the second with one sample's advantage only (sample
-    j, whose sequence ratio the first epoch took past 1 + 4e-4). The clipped tokens are then exactly j's, all of
-    them, while the per-token ratios of j straddle the bound (a control computed here: per-token clipping would clip
-    some of j's tokens, not all). Fails if GSPO's loss never reached the trainer, if its sign were flipped, if its
-    own clip range were not used (0.2 would leave nothing clipped after one small step), or if the ratio clipped
-    were each token's."""
-    trainer = new_trainer("trainer.micro_batch_size=2", "trainer.lr=3e-5", "algorithm.loss=gspo")
+    j, whose sequence ratio the first epoch took past 1 + 0.05 while some of its tokens' own ratios stayed under it:
+    per-token clipping would clip some of j's tokens, not all). The clipped tokens are then exactly j's, all of
+    them. Fails if GSPO's loss never reached the trainer, if its sign were flipped, if its own clip range were not
+    used (GRPO's 0.2 would leave nothing clipped after one small step), or if the ratio clipped were each token's."""
+    trainer = new_trainer("trainer.micro_batch_size=2", "trainer.lr=3e-5", "algorithm.loss=gspo",
+                          "algorithm.gspo_clip_eps_low=0.05", "algorithm.gspo_clip_eps_high=0.05")
     samples, adv = fixed_batch()
     old = trainer.logprobs(samples, replay=True).logprobs
     first = trainer.train_step(samples, adv, replay=True, old_logprobs=old)
     assert first["clip_frac"] == 0.0  # every sequence's ratio is exactly 1 before the first update
     now = trainer.logprobs(samples, replay=True).logprobs
     assert moved_toward_the_advantage(samples, adv, old, now) > 0
-    bound = np.log1p(4e-4)
+    bound = np.log1p(0.05)
     log_ratios = [(np.asarray(y) - np.asarray(x))[s.loss_mask > 0] for s, x, y in zip(samples, old, now)]
-    over = [i for i, r in enumerate(log_ratios) if adv[i] > 0 and r.mean() > bound]
-    assert over, "the first epoch took no advantaged sequence past GSPO's bound"
+    # advantaged sequences past the bound whose tokens straddle it: where GSPO and per-token clipping part ways
+    over = [i for i, r in enumerate(log_ratios) if adv[i] > 0 and r.mean() > bound and (r <= bound).any()]
+    assert over, "the first epoch took no advantaged sequence past GSPO's bound with tokens under it"
     j = max(over, key=lambda i: len(log_ratios[i]))
-    per_token = int((log_ratios[j] > bound).sum())
-    assert 0 < per_token < len(log_ratios[j]), "control: j's tokens must straddle the bound"
     only = np.zeros_like(adv)
     only[j] = adv[j]
     second = trainer.train_step(samples, only, replay=True, old_logprobs=old)

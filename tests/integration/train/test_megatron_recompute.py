@@ -9,6 +9,8 @@ from megatron_helpers import build_samples, random_routes, with_routes
 
 
 def test_recompute_with_replay_backward_gives_the_same_gradients(new_trainer):
+    """Fails if the recomputed forward in backward routed live (the gradients would differ), left replay targets
+    queued, or was counted by the route probe as a second forward (train/replayed_rows doubled)."""
     plain = new_trainer("trainer.micro_batch_size=2")
     recompute = new_trainer("trainer.micro_batch_size=2", "trainer.recompute_granularity=full")
     assert recompute.model.config.recompute_granularity == "full"
@@ -41,3 +43,7 @@ def test_recompute_with_replay_backward_gives_the_same_gradients(new_trainer):
 
     metrics = recompute.train_step(samples, adv, replay=True, old_logprobs=old)
     assert metrics["replay_backward_unconsumed"] == 0 and metrics["replay_queue_after_step"] == 0
+    # the route probe counts each training forward once: the recompute in backward runs the routers again, and a
+    # probe still armed then would count every row twice (train/replayed_rows doubled, issue 58)
+    once = plain.train_step(samples, adv, replay=True, old_logprobs=old)
+    assert metrics["replayed_rows"] == once["replayed_rows"] > 0 and metrics["replay_mismatch_rows"] == 0

@@ -189,3 +189,49 @@ def test_a_failed_group_is_raised_at_the_take_naming_it(pool):
     finally:
         gates.open(*range(20))
         stream.close()
+
+
+def test_completion_order_evicts_the_groups_that_took_longest_and_the_figure_says_so(pool):
+    """Completion time grows with length: group 0's responses are 64 tokens and it completes two syncs after it was
+    drawn; the others are 8 tokens and complete within a step. Two groups a step, ``max_staleness`` 1, the real
+    stream and ``drop_stale``: step 3 takes group 0 (drawn under version 0, trained from version 2) and evicts it, so
+    the step's evicted samples are 64 tokens long against a step mean of 36. Fails if the evicted groups' length
+    were not logged (the bias toward short responses would go unseen) or were the kept ones'."""
+    import numpy as np
+
+    from r3rl import metrics as M
+    from r3rl.sample import Sample, SampleStatus
+    from r3rl.train.staleness import drop_stale
+
+    gates, served, drawn_under = Gates(), {"version": 0}, {}
+
+    async def generate(drawn: Drawn):
+        drawn_under[drawn.serial] = served["version"]
+        return await gates.generate(drawn)
+
+    def samples_of(serial: int, group: int) -> list[Sample]:
+        length = 64 if serial == 0 else 8
+        return [Sample(index=group * 2 + j, group=group, request_id=f"g{serial}-{j}", prompt_ids=np.arange(3),
+                       response_ids=np.arange(length), rollout_logprobs=np.zeros(length, np.float32),
+                       loss_mask=np.ones(length, np.float32), finish_reason="stop", status=SampleStatus.COMPLETED,
+                       weight_version=drawn_under[serial]) for j in range(2)]
+
+    draw, _ = sampler()
+    stream = GroupStream(draw, generate, capacity=4)
+    stream.start(pool.submit)
+    stats = []
+    try:
+        for step, ready in enumerate(((1, 2), (3, 4), (0, 5)), start=1):
+            wait_started(gates, 4 + 2 * (step - 1))
+            gates.open(*ready)
+            taken = stream.take(2)
+            batch = [s for g, (d, _) in enumerate(taken) for s in samples_of(d.serial, g)]
+            _, figures = drop_stale(batch, step - 1, 1)
+            stats.append((figures, float(np.mean([s.response_length for s in batch]))))
+            served["version"] = step  # the weights of this step go to the engines
+    finally:
+        gates.open(*range(20))
+        stream.close()
+    assert all(M.EVICTED_RESPONSE_LENGTH_MEAN not in figures for figures, _ in stats[:2])
+    figures, mean_length = stats[2]
+    assert figures[M.DROPPED_STALE] == 2 and figures[M.EVICTED_RESPONSE_LENGTH_MEAN] == 64.0 and mean_length == 36.0

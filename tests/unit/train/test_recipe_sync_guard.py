@@ -4,6 +4,7 @@ in-flight one (``algorithm.weight_update=in_flight``) does, and reaches every cl
 from __future__ import annotations
 
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,6 +27,7 @@ def bare_recipe(monkeypatch, synced: list, *, in_flight: bool) -> GRPORecipe:
     recipe.in_flight = in_flight
     recipe.stream = None  # batch intake
     recipe.client, recipe.live_clients = Client(), [Client()]
+    recipe.evaluator = SimpleNamespace(client=Client())
     return recipe
 
 
@@ -51,10 +53,12 @@ def test_a_sync_while_the_batch_ahead_generates_is_refused_and_one_after_it_goes
 def test_an_in_flight_sync_goes_under_the_batch_ahead_and_every_live_client_takes_the_version(monkeypatch):
     """Fails if the in-flight sync were refused while the batch generates (the mode would wait as between batches),
     or if a client still generating kept the old version (its later requests would reuse older prefix blocks
-    uncounted)."""
+    uncounted), or if the evaluator's client did (an eval point after the update could be served blocks the older
+    weights computed: issue 58; that a salted request never reuses them is test_weight_update.py's)."""
     synced = []
     recipe = bare_recipe(monkeypatch, synced, in_flight=True)
     recipe.ahead = (5, [], Future(), {})
     recipe.sync_weights(version=4, in_flight=True)
     assert synced == [(4, True)]
     assert recipe.client.versions == [4] and recipe.live_clients[0].versions == [4]
+    assert recipe.evaluator.client.versions == [4]

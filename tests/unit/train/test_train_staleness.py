@@ -38,7 +38,9 @@ def test_groups_holding_a_sample_past_the_bound_leave_the_loss_whole_and_are_cou
     assert len(kept) == 4
     assert [float(s.loss_mask.sum()) for s in kept] == [4.0, 4.0, 0.0, 0.0]
     assert batch[3].loss_mask.sum() == 4.0, "the caller's sample is left as it was"
-    assert stats == {M.STALENESS_MEAN: 0.75, M.STALENESS_MAX: 2.0, M.DROPPED_STALE: 2.0}
+    assert stats == {M.STALENESS_MEAN: 0.75, M.STALENESS_MAX: 2.0, M.DROPPED_STALE: 2.0,
+                     M.EVICTED_RESPONSE_LENGTH_MEAN: 4.0}
+    assert M.EVICTED_RESPONSE_LENGTH_MEAN not in drop_stale(batch[:2], 4, 1)[1]  # nothing evicted: no figure
 
 
 def test_a_sample_newer_than_the_trainer_is_an_error_naming_it_and_its_engine():
