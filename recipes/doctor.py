@@ -22,6 +22,7 @@ from r3rl.config.schema import R3RLConfig
 from r3rl.doctor import checks as C
 from r3rl.doctor.checks import Check
 from r3rl.models.tiny_moe import ensure_checkpoint
+from r3rl.sync.disk import update_weights_from_hf, weight_checksums
 from recipes.common import console
 from recipes.grpo import GRPORecipe
 
@@ -34,6 +35,8 @@ class Doctor(GRPORecipe):
         super().__init__(cfg)
         self.results: list[Check] = []
         self.sync_seconds = float("nan")  # the doctor's weight sync, timed
+        # the engine's routes teacher-forced through the trainer one step after them: check 3's near miss
+        self.near_miss_flips = None
 
     def examine(self) -> list[Check]:
         cfg, model = self.cfg, self.cfg.model
@@ -62,26 +65,31 @@ class Doctor(GRPORecipe):
             replayed = self.trainers.call("logprobs", batch, replay=True) if routed else None
         unreplayed_diff = C.mean_abs_diff(live.logprobs, samples)
 
-        def routes_check() -> Check:
-            control = self.trainers.call("logprobs", ray.put(C.well_formed_random_routes(
-                samples, model.num_experts, seed=cfg.run.seed)), replay=False)
-            return C.routes_are_the_models(live.flip_per_layer, control.flip_per_layer, unreplayed_diff,
-                                           engine_dtype=engine_dtype)
-
         def replay_check() -> Check:
             shifted = self.trainers.call("logprobs", ray.put(C.shifted_routes(samples)), replay=True)
             return C.replay_exact(replayed.replay_mismatch_rows, replayed.replayed_routes_match,
                                   C.mean_abs_diff(replayed.logprobs, samples), unreplayed_diff,
-                                  shifted.flip_per_layer, engine_dtype=engine_dtype, layout=self.layout())
+                                  C.mean_abs_diff(shifted.logprobs, samples), engine_dtype=engine_dtype,
+                                  layout=self.layout())
 
-        self.check("routes are the model's", routes_check if routed else
-                   lambda: C.skipped("routes are the model's", no_routes))
+        # every pass on the batch's own weights first: the weight sync check trains a step
         self.check("replay is exact", replay_check if routed else lambda: C.skipped("replay is exact", no_routes))
         self.check("route trace", lambda: self.trace_check(samples, replayed) if replayed is not None and
                    replayed.trace is not None else C.skipped("route trace", no_routes if not routed else
                                                              "debug.route_trace needs replay r3"))
+        control = self.trainers.call("logprobs", ray.put(C.well_formed_random_routes(
+            samples, model.num_experts, seed=cfg.run.seed)), replay=False) if routed else None
         self.check("weight sync round trip", lambda: self.weight_sync_check(
             prompts, samples, replayed or live, engine_dtype, routed))
+
+        def routes_check() -> Check:
+            # teacher-forced: the replayed pass's own router choices against the engine's routes, layer by layer
+            return C.routes_are_the_models(replayed.flip_per_layer, replayed.reachable_per_layer,
+                                           replayed.rows_per_layer, self.near_miss_flips, control.flip_per_layer,
+                                           unreplayed_diff, engine_dtype=engine_dtype)
+
+        self.check("routes are the model's", routes_check if routed else
+                   lambda: C.skipped("routes are the model's", no_routes))
         engine_argv = self.plan.engines[0].argv if self.plan.engines else ()
         self.check("precision", lambda: C.precision(engine_dtype, engine_argv, inventory[0]))
         if cfg.parallelism.device == "cuda":  # paper until a GPU runs it: no GPU has run the doctor yet
@@ -89,7 +97,8 @@ class Doctor(GRPORecipe):
         else:
             self.results.append(C.skipped("GPU memory and sync time", "no GPU: the trainer's peak memory and the "
                                           "weight sync's time are measured on GPUs only"))
-        return self.results
+        # the table in the order docs/doctor.md numbers the checks
+        return sorted(self.results, key=lambda c: C.ORDER.index(c.name) if c.name in C.ORDER else len(C.ORDER))
 
     def gpu_memory_check(self) -> Check:
         trainer = next(g for g in self.plan.memory.gpus if g.gpu in ("trainer", "colocated"))
@@ -123,8 +132,12 @@ class Doctor(GRPORecipe):
 
     def weight_sync_check(self, prompts, samples, before, engine_dtype: str, routed: bool) -> Check:
         """One optimizer step on the batch (advantages +1 and -1 in turn: it moves the policy whatever the rewards),
-        then the trainer against the engine before the sync (a stale engine: the batch's own log-probs, which the
-        engine serves again for the same seeded requests) and after it, on the same requests generated again."""
+        the run's weight sync, then each engine's parameter checksums against those of vLLM's own reload of the
+        trainer's exported weights (the reference); the checksums before the sync are the stale-engine control.
+        The trainer after the step, fed the engine's routes of before it, gives check 3 its near miss; the log-prob
+        figures (before the step, stale engine, after the sync on the same requests generated again) are shown."""
+        urls = self.engines.urls
+        stale_sums = {url: weight_checksums(url) for url in urls}
         batch = ray.put(samples)
         advantages = [np.full(s.response_length, 1.0 if i % 2 == 0 else -1.0, dtype=np.float32)
                       for i, s in enumerate(samples)]
@@ -133,13 +146,22 @@ class Doctor(GRPORecipe):
             self.engines_asleep = True
             self.trainers.call("onload_optimizer_state")
         self.trainers.call("train_step", batch, advantages, replay=routed, old_logprobs=before.logprobs)
-        stale = C.mean_abs_diff(self.trainers.call("logprobs", batch, replay=routed).logprobs, samples)
+        stale_pass = self.trainers.call("logprobs", batch, replay=routed)
+        if routed:
+            self.near_miss_flips = stale_pass.flip_per_layer
         started = time.perf_counter()
         self.sync_weights(version=1)
         self.sync_seconds = time.perf_counter() - started
+        synced_sums = {url: weight_checksums(url) for url in urls}
         fresh, _ = self.rollout(DOCTOR_STEP, prompts)
         synced = C.mean_abs_diff(self.trainers.call("logprobs", ray.put(fresh), replay=routed).logprobs, fresh)
-        return C.weight_sync(C.mean_abs_diff(before.logprobs, samples), stale, synced, engine_dtype=engine_dtype)
+        exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
+        for url in urls:  # vLLM's own loader on the trainer's weights: what the engine must hold
+            update_weights_from_hf(url, exported, version=1)
+        reference = {url: weight_checksums(url) for url in urls}
+        return C.weight_sync(synced_sums, reference, stale_sums, {
+            "before_step": C.mean_abs_diff(before.logprobs, samples),
+            "stale_engine": C.mean_abs_diff(stale_pass.logprobs, samples), "after_sync": synced})
 
     def layout(self) -> str:
         t = self.cfg.parallelism.trainer

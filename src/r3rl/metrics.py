@@ -98,6 +98,9 @@ EXPERT_LOAD_MAX_VIO_LAYER = "r3/expert_load_max_vio/layer_{layer:02d}"
 # a router margin (in logits) below this is within reach of the engine/trainer numerics: bfloat16 keeps 8 bits of
 # mantissa, so logits of magnitude 1-8 round by up to ~0.004-0.03 in the engine before any difference upstream
 SMALL_ROUTER_MARGIN = 0.05
+# the unit roundoff of each floating-point type (half its relative spacing): rounding moves a value x by at most
+# u |x|, so two router logits of an engine in that dtype can swap only where their margin is under u (|a| + |b|)
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 # R2: the trainer's own routes, recorded in the old-log-prob pass, replayed in that batch's training forwards
 R2_REPLAY_MISMATCH_ROWS = "r2/replay_mismatch_rows"
 R2_REPLAYED_ROWS = "r2/replayed_rows"

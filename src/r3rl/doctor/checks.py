@@ -22,12 +22,20 @@ from r3rl.route_trace import BOUNDARIES, TraceReport
 from r3rl.sample import Sample
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+# the checks in the order docs/doctor.md numbers them, the engine token first
+ORDER = ("engine token", "engine capture", "layer map", "routes are the model's", "replay is exact",
+         "weight sync round trip", "route trace", "precision", "GPU memory and sync time")
 
-# Per-layer share of (token, layer) top-k sets the trainer's router picks otherwise than the engine, by the engine's
-# dtype: precision alone (the trainer is at least as precise) flips a few percent of near-tied rows in bf16
-# (0.3-1.3% a step on the tiny model, the figures on docs/r3.md), none in float32; the routes of another model, or
-# random ones, disagree on nearly every row (1 - 1/C(E, K) of them).
-FLIP_BOUND = {"float32": 0.02, "bfloat16": 0.20, "float16": 0.20}
+# What the engine's precision lets its router disagree with the trainer's on one layer, given that layer's inputs
+# (teacher-forced: the engine's routes replayed into every layer before it, so flips do not compound with depth).
+# A flip needs the engine's rounding to swap the k-th and (k+1)-th expert; rounding to a dtype of unit roundoff u
+# moves a logit x by at most u|x|, so only a row whose margin (k-th minus (k+1)-th logit, on the trainer's logits)
+# is under u (|k-th| + |(k+1)-th|) can flip that way: the route probe counts those rows per layer (``reachable``).
+# A layer's bound is that share plus two binomial standard errors of it and FLIP_ROWS rows (kernels' accumulation
+# order moves float32 logits by more than float32's own u). On the tiny model in bf16 (docs/doctor.md) the reachable
+# share is 0.12-0.78% a layer and a sound stack flips 0.12-0.81%, nearly those very rows (bounds 0.32-1.16%), while
+# the routes of one training step away flip 2.3-2.5%.
+FLIP_ROWS = 3
 # Mean |trainer - engine| log-prob per response token the engine's dtype alone explains (the tiny model: ~2e-3 in
 # bf16, ~1e-6 in float32; large models in bf16: 1e-2 .. 3e-2, r3-contract.md §3)
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
@@ -41,6 +49,7 @@ class Check:
     detail: str = ""
     fix: str = ""  # for a FAIL: what to change, naming the key
     values: dict[str, Any] = field(default_factory=dict)  # the numbers behind the figure, for doctor.json
+    bound: str = ""  # the bound the check used on this run, and where it comes from
 
 
 def skipped(name: str, why: str) -> Check:
@@ -131,27 +140,64 @@ def well_formed_random_routes(samples: Sequence[Sample], num_experts: int, seed:
     return out
 
 
-def routes_are_the_models(flip_per_layer: np.ndarray, control_flip_per_layer: np.ndarray, logprob_diff: float,
-                          *, engine_dtype: str) -> Check:
-    """Without replay, the trainer's own router agrees with the engine's routes on most rows of every layer (a
-    bound set by the engine's dtype), and the two log-probs agree within the dtype's tolerance. The control (the
-    same samples with random well-formed routes) must exceed the bound."""
+def flip_bounds(reachable_per_layer: np.ndarray, rows_per_layer: np.ndarray) -> np.ndarray:
+    """Per layer, the share of rows the engine's precision can flip: the rows within its rounding's reach
+    (``reachable_per_layer``, a share of ``rows_per_layer``), plus two binomial standard errors and ``FLIP_ROWS``
+    rows."""
+    share = np.nan_to_num(np.asarray(reachable_per_layer, dtype=np.float64))
+    rows = np.maximum(np.asarray(rows_per_layer, dtype=np.float64), 1.0)
+    return share + 2 * np.sqrt(share * (1 - share) / rows) + FLIP_ROWS / rows
+
+
+def routes_are_the_models(flip_per_layer: np.ndarray, reachable_per_layer: np.ndarray, rows_per_layer: np.ndarray,
+                          near_miss_flip_per_layer: np.ndarray | None, control_flip_per_layer: np.ndarray,
+                          logprob_diff: float, *, engine_dtype: str) -> Check:
+    """Teacher-forced (the engine's routes replayed into the layers before), each layer's router picks the engine's
+    top-k set on all rows but those the engine's precision can flip (``flip_bounds``), and the log-probs agree within
+    the dtype's tolerance. Two controls must exceed the bound on some layer: random well-formed routes (another
+    model's), and the near miss, the routes of this model a training step away (an engine that missed a sync)."""
     name = "routes are the model's"
-    bound, tol = FLIP_BOUND.get(engine_dtype, 0.2), LOGPROB_TOLERANCE.get(engine_dtype, 5e-2)
-    worst = float(np.nanmax(flip_per_layer))
-    control = float(np.nanmin(control_flip_per_layer))
-    values = {"flip_per_layer": [float(x) for x in flip_per_layer], "flip_bound": bound,
-              "control_min_flip": control, "logprob_abs_diff_no_replay": logprob_diff, "logprob_tolerance": tol}
-    figure = (f"flips {float(np.nanmean(flip_per_layer)):.2%} (worst layer {worst:.2%}, bound {bound:.0%}); "
-              f"|dlogp| {logprob_diff:.2e} (tolerance {tol:.0e}); random routes {control:.0%}")
-    if control <= bound:
-        return Check(name, FAIL, figure, f"random routes flip only {control:.1%} on some layer, within the bound: "
-                     "the check cannot tell the model's routes from noise here", "more samples (a larger "
-                     "algorithm.rollout_batch_size) or a model with more experts per layer", values)
-    if worst > bound:
-        layer = int(np.nanargmax(flip_per_layer))
-        return Check(name, FAIL, figure, f"layer {layer}: the trainer's router disagrees with the engine's routes on "
-                     f"{worst:.1%} of rows: these are not this checkpoint's routes",
+    flips = np.asarray(flip_per_layer, dtype=np.float64)
+    bounds, tol = flip_bounds(reachable_per_layer, rows_per_layer), LOGPROB_TOLERANCE.get(engine_dtype, 5e-2)
+    over = flips - bounds
+    control = np.asarray(control_flip_per_layer, dtype=np.float64)
+    near = None if near_miss_flip_per_layer is None else np.asarray(near_miss_flip_per_layer, dtype=np.float64)
+    values = {"flip_per_layer": flips.tolist(), "flip_bound_per_layer": bounds.tolist(),
+              "reachable_per_layer": [float(x) for x in reachable_per_layer],
+              "rows_per_layer": [int(x) for x in rows_per_layer],
+              "control_flip_per_layer": control.tolist(),
+              "near_miss_flip_per_layer": None if near is None else near.tolist(),
+              "logprob_abs_diff_no_replay": logprob_diff, "logprob_tolerance": tol}
+    u = M.UNIT_ROUNDOFF.get(engine_dtype, float("nan"))
+    why = (f"flips per layer <= {', '.join(f'{b:.2%}' for b in bounds)}: the layer's rows whose router margin is "
+           f"under u (|k-th logit| + |(k+1)-th logit|), u = {u:.3g} for a {engine_dtype} engine (rounding moves a "
+           f"logit by at most u|x|), plus 2 binomial standard errors and {FLIP_ROWS} rows; |dlogp| <= {tol:.0e}, what "
+           f"a {engine_dtype} engine's rounding alone explains")
+    return dataclasses.replace(_routes_verdict(name, flips, bounds, over, control, near, logprob_diff, tol, values),
+                               bound=why)
+
+
+def _routes_verdict(name: str, flips: np.ndarray, bounds: np.ndarray, over: np.ndarray, control: np.ndarray,
+                    near: np.ndarray | None, logprob_diff: float, tol: float, values: dict) -> Check:
+    worst = int(np.nanargmax(over))
+    figure = (f"teacher-forced flips {np.nanmean(flips):.2%} (layer {worst}: {flips[worst]:.2%} of a {bounds[worst]:.2%}"
+              f" bound); |dlogp| {logprob_diff:.2e} (tolerance {tol:.0e}); random routes {np.nanmin(control):.0%}"
+              + ("" if near is None else f"; a step away {np.nanmax(near - bounds):+.2%} over the bound"))
+    if not (control > bounds).all():
+        return Check(name, FAIL, figure, "random routes stay within the bound on some layer: the check cannot tell "
+                     "the model's routes from noise here", "more samples (a larger algorithm.rollout_batch_size) "
+                     "or a model with more experts per layer", values)
+    if near is None:
+        return Check(name, FAIL, figure, "the near-miss control did not run (the weight sync check's step failed)",
+                     "see the weight sync round trip's failure", values)
+    if not (near > bounds).any():
+        return Check(name, FAIL, figure, "the routes of this model one training step away stay within the bound on "
+                     "every layer: an engine that missed a sync would pass", "more samples (a larger "
+                     "algorithm.rollout_batch_size), or a larger trainer.lr for the doctor's step", values)
+    if over[worst] > 0:
+        return Check(name, FAIL, figure, f"layer {worst}: the trainer's router disagrees with the engine's routes "
+                     f"on {flips[worst]:.1%} of rows, more than the {bounds[worst]:.1%} the engine's precision can "
+                     "flip there: these are not this checkpoint's routes",
                      "serve the checkpoint the trainer loads (model.checkpoint, rollout.engine.url) and check the "
                      "engine does not quantise the router (rollout.engine.extra_args)", values)
     if logprob_diff > tol:
@@ -170,48 +216,72 @@ def shifted_routes(samples: Sequence[Sample]) -> list[Sample]:
 
 
 def replay_exact(mismatch_rows: int, routes_match: bool | None, replayed_diff: float, unreplayed_diff: float,
-                 shifted_flip_per_layer: np.ndarray, *, engine_dtype: str, layout: str) -> Check:
+                 shifted_diff: float, *, engine_dtype: str, layout: str) -> Check:
     """With replay, every (token, layer) row Megatron routed equals the engine's route for that token and layer
     (0 mismatched rows through the configured packing and parallel split), and replay does not raise the log-prob
-    mismatch. The control, routes shifted by one row and replayed, must be caught by check 3's bound."""
+    mismatch above the unreplayed one by more than the dtype's tolerance. The control, the routes shifted by one row
+    and replayed, must break that same rule (its log-prob mismatch above the unreplayed one plus the tolerance)."""
     name = "replay is exact"
-    bound = FLIP_BOUND.get(engine_dtype, 0.2)
-    shifted = float(np.nanmean(shifted_flip_per_layer))
+    tol = LOGPROB_TOLERANCE.get(engine_dtype, 5e-2)
     values = {"replay_mismatch_rows": mismatch_rows, "logprob_abs_diff": replayed_diff,
-              "logprob_abs_diff_no_replay": unreplayed_diff, "shifted_control_flip": shifted, "layout": layout}
+              "logprob_abs_diff_no_replay": unreplayed_diff, "shifted_control_logprob_abs_diff": shifted_diff,
+              "logprob_tolerance": tol, "layout": layout}
     figure = (f"{mismatch_rows} mismatched rows ({layout}); |dlogp| {replayed_diff:.2e} replayed vs "
-              f"{unreplayed_diff:.2e} not; one-row shift flips {shifted:.0%}")
+              f"{unreplayed_diff:.2e} not (tolerance {tol:.0e}); one-row shift replayed {shifted_diff:.2e}")
+    why = (f"0 mismatched rows (exact); replayed |dlogp| <= unreplayed + {tol:.0e} (a {engine_dtype} engine's "
+           "rounding), a bound the one-row-shifted routes must break")
+    return dataclasses.replace(_replay_verdict(name, mismatch_rows, routes_match, replayed_diff, unreplayed_diff,
+                                               shifted_diff, tol, figure, values), bound=why)
+
+
+def _replay_verdict(name: str, mismatch_rows: int, routes_match: bool | None, replayed_diff: float,
+                    unreplayed_diff: float, shifted_diff: float, tol: float, figure: str, values: dict) -> Check:
     if mismatch_rows or not routes_match:
         return Check(name, FAIL, figure, "Megatron routed rows otherwise than the routes replayed into them"
                      if mismatch_rows else "no replayed row was checked",
                      "a replay bug in this layout: try trainer.packing=false, then a smaller parallel split "
                      "(parallelism.trainer.*) to find the part at fault", values)
-    if shifted <= bound:
-        return Check(name, FAIL, figure, f"routes shifted by one row flip only {shifted:.1%}: a misaligned replay "
-                     "would go unnoticed", "more samples (algorithm.rollout_batch_size)", values)
+    if shifted_diff <= unreplayed_diff + tol:
+        return Check(name, FAIL, figure, f"routes shifted by one row and replayed raise the log-prob mismatch to "
+                     f"only {shifted_diff:.2e}, within the tolerance: a misaligned replay would go unnoticed",
+                     "more samples (algorithm.rollout_batch_size)", values)
     # replay can only remove routing mismatch; more than noise added means routes landed on the wrong tokens
-    if replayed_diff > unreplayed_diff + LOGPROB_TOLERANCE.get(engine_dtype, 5e-2):
+    if replayed_diff > unreplayed_diff + tol:
         return Check(name, FAIL, figure, "replay made the log-prob mismatch worse: routes on the wrong tokens",
                      "trainer.packing=false to see whether packing misplaces them", values)
     return Check(name, PASS, figure, values=values)
 
 
 # ---------------------------------------------------------------------------------------------- 5. weight sync
-def weight_sync(before: float, stale: float, synced: float, *, engine_dtype: str) -> Check:
-    """After one optimizer step and a sync, the engine's log-probs follow the trainer's. ``before``: mismatch before
-    the step; ``stale``: the trainer after the step against the engine before the sync (what an engine that kept
-    the old weights serves, the control); ``synced``: against the engine after the sync, on a fresh batch."""
+def weight_sync(synced: dict[str, dict[str, str]], reference: dict[str, dict[str, str]],
+                stale: dict[str, dict[str, str]], logprobs: dict[str, float]) -> Check:
+    """After one optimizer step and the run's weight sync, every engine holds, bit for bit, what vLLM's own loader
+    makes of the trainer's exported weights: per engine, the parameter checksums of ``/weight_checker`` after the
+    sync (``synced``) equal those after a reload of the export (``reference``). No bound: at a GPU learning rate a
+    step moves log-probs too little for one, not checksums. Control: the checksums before the sync (``stale``, an
+    engine that kept the old weights) must differ from the reference in some parameter, or the step changed nothing
+    the engine holds and the comparison proves nothing. ``logprobs``: the trainer-engine log-prob figures, shown."""
     name = "weight sync round trip"
-    tol = max(2 * before, LOGPROB_TOLERANCE.get(engine_dtype, 5e-2) / 10)
-    values = {"before_step": before, "stale_engine": stale, "after_sync": synced, "tolerance": tol}
-    figure = f"|dlogp| before the step {before:.2e}, stale engine {stale:.2e}, after the sync {synced:.2e}"
-    if stale <= tol:
-        return Check(name, FAIL, figure, "one optimizer step moved the log-probs too little to tell a stale engine "
-                     "from a synced one", "a larger trainer.optimizer.lr for the doctor's step", values)
-    if synced > tol:
-        return Check(name, FAIL, figure, "the engine serves other weights than the trainer's after the sync",
-                     "check rollout.weight_sync.backend and the engine log for the update", values)
-    return Check(name, PASS, figure, values=values)
+    differ = {url: sorted(k for k in reference[url] if synced[url].get(k) != reference[url][k]) for url in reference}
+    moved = {url: sum(stale[url].get(k) != v for k, v in reference[url].items()) for url in reference}
+    params = sum(len(r) for r in reference.values())
+    values = {"parameters": params, "differ_after_sync": {u: d[:20] for u, d in differ.items()},
+              "changed_by_the_step": moved, **logprobs}
+    bad = sum(len(d) for d in differ.values())
+    why = "none: every parameter's checksum compared bit for bit"
+    figure = (f"{params - bad} of {params} parameter checksums equal vLLM's reload of the trainer's weights; the "
+              f"step changed {sum(moved.values())} of them; |dlogp| before the step {logprobs['before_step']:.2e}, "
+              f"stale engine {logprobs['stale_engine']:.2e}, after the sync {logprobs['after_sync']:.2e}")
+    if not all(moved.values()):
+        return Check(name, FAIL, figure, "the doctor's optimizer step changed no parameter an engine holds: equal "
+                     "checksums after the sync would prove nothing", "a larger trainer.lr for the doctor's step",
+                     values, why)
+    if bad:
+        url = next(u for u, d in differ.items() if d)
+        return Check(name, FAIL, figure, f"engine {url}: {len(differ[url])} parameters differ from vLLM's own load "
+                     f"of the trainer's weights after the sync (first: {differ[url][0]})",
+                     "check rollout.weight_sync.backend and the engine log for the update", values, why)
+    return Check(name, PASS, figure, values=values, bound=why)
 
 
 # ---------------------------------------------------------------------------------------------- 6. trace

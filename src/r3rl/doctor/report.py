@@ -25,6 +25,11 @@ def table(results: Sequence[Check]) -> Table:
     return out
 
 
+def bounds(results: Sequence[Check]) -> list[str]:
+    """One line per check that compared against a bound: the bound this run used, and where it comes from."""
+    return [f"{r.name}: {r.bound}" for r in results if r.bound]
+
+
 def markdown(results: Sequence[Check], command: str) -> str:
     lines = [f"# r3rl doctor\n\n`{command}`\n", "| check | result | figure | why / what to change |",
              "|---|---|---|---|"]
@@ -34,12 +39,16 @@ def markdown(results: Sequence[Check], command: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r.name for r in results if r.status == FAIL]
     lines.append(f"\n{'FAIL: ' + ', '.join(failed) if failed else 'every check that could run passed'}\n")
+    if bounds(results):
+        lines += ["## Bounds used", "", *(f"- {line}" for line in bounds(results)), ""]
     return "\n".join(lines)
 
 
 def write(results: Sequence[Check], folder: Path, command: str, console: Console) -> int:
     """Print the table, write ``doctor.json`` and ``doctor.md``; the exit status: 1 when a check failed."""
     console.print(table(results))
+    for line in bounds(results):
+        console.print(f"bound, {line}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "doctor.json").write_text(json.dumps(
         {"command": command, "checks": [dataclasses.asdict(r) for r in results]}, indent=2, default=str))

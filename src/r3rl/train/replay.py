@@ -216,7 +216,9 @@ class ProbeCounts:
     margins (k-th minus (k+1)-th logit), the rows whose margin is small (``metrics.SMALL_ROUTER_MARGIN``), and the
     load of each expert under the router's own top-k (``expert_load``, ``[L, E]``); under soft replay, the replayed
     (row, slot) pairs whose rollout expert the filter replaced (``replaced_slots``; the routing map is then checked
-    against the filtered routes)."""
+    against the filtered routes); and the response rows whose margin is within the engine's rounding reach, u x
+    (|k-th logit| + |(k+1)-th logit|), u the unit roundoff of the engine's dtype (``reachable``: the rows the engine's
+    precision alone can flip by rounding the two logits apart)."""
 
     routed_rows: np.ndarray
     flips: np.ndarray
@@ -228,12 +230,14 @@ class ProbeCounts:
     small_margins: np.ndarray
     expert_load: np.ndarray
     replaced_slots: np.ndarray
+    reachable: np.ndarray
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> "ProbeCounts":
         counts = [np.zeros(num_layers, dtype=np.int64) for _ in range(6)]
         return cls(*counts, np.zeros(num_layers), np.zeros(num_layers, dtype=np.int64),
-                   np.zeros((num_layers, num_experts), dtype=np.int64), np.zeros(num_layers, dtype=np.int64))
+                   np.zeros((num_layers, num_experts), dtype=np.int64), np.zeros(num_layers, dtype=np.int64),
+                   np.zeros(num_layers, dtype=np.int64))
 
     def as_tensor(self) -> torch.Tensor:
         """Every field flattened into one float64 vector (one collective; counts stay exact below 2^53)."""
@@ -330,13 +334,14 @@ class RouteProbe:
 
     # the counts accumulated on the device, in ProbeCounts' field names
     _ON_DEVICE = ("flips", "prompt_flips", "replay_mismatches", "margin_sum", "small_margins", "expert_load",
-                  "replaced_slots")
+                  "replaced_slots", "reachable")
 
     def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray],
                  loss_masks: Sequence[np.ndarray] | None = None, trace: bool = False,
-                 soft_ratio: float | None = None):
+                 soft_ratio: float | None = None, unit_roundoff: float = 0.0):
         self.routers = routers
         self.soft_ratio = soft_ratio
+        self.unit_roundoff = unit_roundoff  # of the engine's dtype: what its rounding of a logit can move it by
         # debug.route_trace: per sample, this rank's part of the digest of the routing Megatron used under replay
         # (r3rl.route_trace), summed over the ranks that split the rows and the stages that split the layers
         self.digests = np.zeros(len(routes), dtype=np.uint64) if trace else None
@@ -403,6 +408,8 @@ class RouteProbe:
                 margins = top.values[:, k - 1].double() - top.values[:, k].double()
                 acc["margin_sum"][layer] += torch.where(response, margins, 0.0).sum()
                 acc["small_margins"][layer] += ((margins < M.SMALL_ROUTER_MARGIN) & response).sum()
+                reach = self.unit_roundoff * (top.values[:, k - 1].double().abs() + top.values[:, k].double().abs())
+                acc["reachable"][layer] += ((margins < reach) & response).sum()
             acc["expert_load"][layer].scatter_add_(0, own.flatten(), response[:, None].expand(-1, k).flatten().long())
             if self._replaying:
                 used = output[1].view(-1, experts)[rows].bool()

@@ -20,7 +20,7 @@ import torch
 from r3rl import metrics as M
 from r3rl import checkpoint as run_checkpoint
 from r3rl import route_trace
-from r3rl.config.modes import soft_replay_ratio
+from r3rl.config.modes import resolve_dtype, soft_replay_ratio
 from r3rl.config.schema import R3RLConfig
 from r3rl.sample import Sample
 from r3rl.train import checkpoint, collect, convert, cpu_compat, distributed, export, grpo, offload, optim, sft
@@ -52,6 +52,10 @@ class LogprobResult:
     load_max_vio_per_layer: np.ndarray | None = None
     # debug.route_trace under replay: per boundary the trainer sees ("trainer input", "router"), a digest per sample
     trace: dict[str, list[str | None]] | None = None
+    # float [L]: the share of response rows the engine's rounding alone can flip (margin under its reach, the probe's
+    # ``reachable``), and int [L]: the response rows counted
+    reachable_per_layer: np.ndarray | None = None
+    rows_per_layer: np.ndarray | None = None
 
     @property
     def flip_rate(self) -> float:
@@ -108,6 +112,8 @@ class MegatronTrainer:
         self.model = model_lib.wrap_ddp(self.bare, self.settings)
         self.routers = model_lib.routers(self.bare)
         self.soft_ratio = soft_replay_ratio(cfg)
+        # the unit roundoff of the engine's dtype: how far its rounding can move a router logit, relatively
+        self.engine_unit_roundoff = M.UNIT_ROUNDOFF[resolve_dtype(cfg.rollout.engine.dtype, cfg.parallelism.device)]
         self.replay = ReplayDriver(self.routers, self.soft_ratio) if self.replay_enabled else None
         self.optimizer = optim.build_optimizer(cfg, self.model, self.settings.dtype,
                                                self.settings.use_distributed_optimizer)
@@ -249,7 +255,8 @@ class MegatronTrainer:
         results: dict[int, np.ndarray] = {}
         probe = RouteProbe(driver_routers, self.cfg.model.num_layers, self.layout, routes,
                            [s.loss_mask for s in samples], trace=replay and self.cfg.debug.route_trace,
-                           soft_ratio=self.soft_ratio) if (driver_routers and routes is not None) else None
+                           soft_ratio=self.soft_ratio, unit_roundoff=self.engine_unit_roundoff
+                           ) if (driver_routers and routes is not None) else None
         if replay and model is not self.model:
             raise RuntimeError("routes are replayed into the policy model only, never a reference model (P12)")
         model.eval()
@@ -371,11 +378,12 @@ class MegatronTrainer:
         margins_known = self.cfg.model.num_experts > self.cfg.model.moe_topk
         margin = per_row(counts.margin_sum, counts.routed_rows) if margins_known else np.full(num_layers, np.nan)
         small = per_row(counts.small_margins, counts.routed_rows) if margins_known else np.full(num_layers, np.nan)
+        reachable = per_row(counts.reachable, counts.routed_rows) if margins_known else np.full(num_layers, np.nan)
         max_vio = np.asarray([M.max_vio(load) for load in counts.expert_load])
         mismatches = int(counts.replay_mismatches.sum())
         matched = (mismatches == 0 and bool((counts.replay_rows > 0).all())) if replay else None
         return LogprobResult(logprobs, flips, matched, mismatches, own, prompt, margin, small, max_vio,
-                             self._route_trace(samples, probe))
+                             self._route_trace(samples, probe), reachable, counts.routed_rows.copy())
 
     def _route_trace(self, samples: Sequence[Sample], probe: RouteProbe) -> dict[str, list[str | None]] | None:
         """``debug.route_trace``: per sample, the digest of its tokens and routes as this rank received them, and of

@@ -176,8 +176,10 @@ def test_the_probe_reads_nothing_back_per_router_call(policy, monkeypatch):
 def test_probe_margins_equal_metrics_definition_on_the_same_router_logits(policy, hf_reference):
     """The probe accumulates margins on the device (no host copy per router call); per layer its mean over the
     response rows equals ``metrics.router_margins`` on transformers' router logits of the same float32 checkpoint,
-    and its small-margin share the share under ``SMALL_ROUTER_MARGIN``. Fails if the device-side margin took another
-    pair of logits than the k-th and (k+1)-th, summed prompt or padding rows, or lost rows between micro batches."""
+    and its small-margin share the share under ``SMALL_ROUTER_MARGIN``; its share of rows within the engine's
+    rounding reach (the doctor's flip bound) the share whose margin is under u (|k-th| + |(k+1)-th logit|), u of the
+    bf16 engine. Fails if the device-side margin took another pair of logits than the k-th and (k+1)-th, summed
+    prompt or padding rows, lost rows between micro batches, or took the reach from another dtype or logits."""
     import torch
 
     m = policy.cfg.model
@@ -185,17 +187,25 @@ def test_probe_margins_equal_metrics_definition_on_the_same_router_logits(policy
     with_routes(samples, random_routes(samples, m.num_layers, m.moe_topk, m.num_experts, 5))
     live = policy.logprobs(samples, replay=False)
     margins = [[] for _ in range(m.num_layers)]
+    reach = [[] for _ in range(m.num_layers)]
+    u = M.UNIT_ROUNDOFF[policy.cfg.rollout.engine.dtype]
     for s in samples:
         with torch.no_grad():
             out = hf_reference.model(torch.from_numpy(s.tokens.astype(np.int64))[None], output_router_logits=True)
         p = len(s.prompt_ids)
         for layer, logits in enumerate(out.router_logits):
-            margins[layer].append(M.router_margins(logits[p - 1:-1][torch.from_numpy(s.loss_mask > 0)].numpy(),
-                                                   m.moe_topk))
+            rows = logits[p - 1:-1][torch.from_numpy(s.loss_mask > 0)].double().numpy()
+            margins[layer].append(M.router_margins(rows, m.moe_topk))
+            top = -np.sort(-rows, axis=1)
+            reach[layer].append(u * (np.abs(top[:, m.moe_topk - 1]) + np.abs(top[:, m.moe_topk])))
     for layer in range(m.num_layers):
         ref = np.concatenate(margins[layer])
         assert live.margin_per_layer[layer] == pytest.approx(ref.mean(), rel=1e-3, abs=1e-5), layer
         assert live.small_margin_per_layer[layer] == pytest.approx((ref < M.SMALL_ROUTER_MARGIN).mean(), abs=0.02)
+        reachable = (ref < np.concatenate(reach[layer])).mean()
+        assert live.reachable_per_layer[layer] == pytest.approx(reachable, abs=0.005), layer
+        assert live.rows_per_layer[layer] == len(ref)
+    assert policy.cfg.rollout.engine.dtype == "bfloat16" and live.reachable_per_layer.max() > 0
 
 
 def test_bad_routes_fail_naming_sample_and_layer(policy):

@@ -58,17 +58,31 @@ def test_moe_layers_follow_the_checkpoint_config_and_a_dense_layer_breaks_the_ma
 
 
 def test_routes_of_another_model_fail_and_a_bound_that_cannot_see_them_fails_too():
-    """Fails if a layer past the dtype's flip bound passed, or if a control within the bound (the check blind)
-    passed."""
-    control = np.full(L, 0.96)
-    ok = C.routes_are_the_models(np.array([0.01, 0.02, 0.03, 0.03]), control, 3e-3, engine_dtype="bfloat16")
-    assert ok.status == C.PASS
-    foreign = C.routes_are_the_models(np.array([0.01, 0.9, 0.95, 0.97]), control, 3e-3, engine_dtype="bfloat16")
-    assert foreign.status == C.FAIL and "layer 3" in foreign.detail and "model.checkpoint" in foreign.fix
-    blind = C.routes_are_the_models(np.array([0.01] * L), np.full(L, 0.1), 3e-3, engine_dtype="bfloat16")
+    """Per layer, the bound is the share of rows within the engine's rounding reach, plus 2 binomial standard errors
+    and 3 rows: layer 3 with 1.5% of 10,000 rows reachable may flip up to ~1.77%, not 2.5%. Fails if a layer past
+    its own bound passed (a fixed worst-layer bound of 20% would pass it), if a control within the bound (random
+    routes, or this model one step away) passed, or if the bound ignored the rows counted."""
+    rows = np.full(L, 10_000)
+    reach = np.array([0.005, 0.01, 0.008, 0.015])
+    control, near = np.full(L, 0.96), np.array([0.004, 0.025, 0.006, 0.01])
+    bounds = C.flip_bounds(reach, rows)
+    assert np.allclose(bounds, reach + 2 * np.sqrt(reach * (1 - reach) / rows) + 3 / rows)
+    assert C.flip_bounds(np.zeros(L), np.full(L, 100))[0] == 0.03  # float32: a few rows of allowance
+    ok = C.routes_are_the_models(np.array([0.002, 0.008, 0.006, 0.017]), reach, rows, near, control, 3e-3,
+                                 engine_dtype="bfloat16")
+    assert ok.status == C.PASS, ok
+    assert "u = 0.00391" in ok.bound and "1.77%" in ok.bound
+    past = C.routes_are_the_models(np.array([0.002, 0.008, 0.006, 0.025]), reach, rows, near, control, 3e-3,
+                                   engine_dtype="bfloat16")
+    assert past.status == C.FAIL and "layer 3" in past.detail and "model.checkpoint" in past.fix
+    blind = C.routes_are_the_models(np.full(L, 0.002), reach, rows, near, np.full(L, 0.01), 3e-3,
+                                    engine_dtype="bfloat16")
     assert blind.status == C.FAIL and "cannot tell" in blind.detail
-    # float32 on both sides: a few percent of flips is no longer precision
-    assert C.routes_are_the_models(np.full(L, 0.03), control, 1e-4, engine_dtype="float32").status == C.FAIL
+    near_blind = C.routes_are_the_models(np.full(L, 0.002), reach, rows, reach, control, 3e-3,
+                                         engine_dtype="bfloat16")
+    assert near_blind.status == C.FAIL and "one training step away" in near_blind.detail
+    assert C.routes_are_the_models(np.full(L, 0.002), reach, rows, None, control, 3e-3,
+                                   engine_dtype="bfloat16").status == C.FAIL
 
 
 def test_the_shift_control_moves_every_route_one_row_down():
@@ -79,22 +93,33 @@ def test_the_shift_control_moves_every_route_one_row_down():
 
 
 def test_replay_fails_on_a_mismatched_row_on_a_blind_control_and_on_a_worse_mismatch():
-    """Fails if a replay with mismatched rows, one whose shifted control went unnoticed, or one that made the
-    log-prob mismatch worse than no replay passed."""
+    """The control is held to the check's own rule: the shifted routes, replayed, must raise the log-prob mismatch
+    past the unreplayed one plus the tolerance. Fails if a replay with mismatched rows, one whose shifted control
+    stayed within that rule (0.07 against 0.028 + 0.05), or one that made the log-prob mismatch worse than no replay
+    passed."""
     args = dict(engine_dtype="bfloat16", layout="packed")
-    assert C.replay_exact(0, True, 0.009, 0.028, np.full(L, 0.7), **args).status == C.PASS
-    assert C.replay_exact(3, True, 0.009, 0.028, np.full(L, 0.7), **args).status == C.FAIL
-    assert C.replay_exact(0, None, 0.009, 0.028, np.full(L, 0.7), **args).status == C.FAIL
-    assert "unnoticed" in C.replay_exact(0, True, 0.009, 0.028, np.full(L, 0.05), **args).detail
-    assert "worse" in C.replay_exact(0, True, 0.2, 0.028, np.full(L, 0.7), **args).detail
+    assert C.replay_exact(0, True, 0.009, 0.028, 0.9, **args).status == C.PASS
+    assert C.replay_exact(3, True, 0.009, 0.028, 0.9, **args).status == C.FAIL
+    assert C.replay_exact(0, None, 0.009, 0.028, 0.9, **args).status == C.FAIL
+    assert "unnoticed" in C.replay_exact(0, True, 0.009, 0.028, 0.07, **args).detail
+    assert "worse" in C.replay_exact(0, True, 0.2, 0.028, 0.9, **args).detail
 
 
-def test_a_stale_engine_fails_the_weight_sync_and_a_step_too_small_to_tell_fails_too():
-    """Fails if an engine still serving the old weights after the sync passed, or a step that moved nothing."""
-    assert C.weight_sync(0.009, 0.39, 0.008, engine_dtype="bfloat16").status == C.PASS
-    stale = C.weight_sync(0.009, 0.39, 0.39, engine_dtype="bfloat16")
-    assert stale.status == C.FAIL and "other weights" in stale.detail
-    assert "too little" in C.weight_sync(0.009, 0.012, 0.008, engine_dtype="bfloat16").detail
+def sums(**values: str) -> dict[str, dict[str, str]]:
+    return {"http://e:1": dict(values)}
+
+
+def test_a_stale_engine_fails_the_weight_sync_and_a_step_that_changed_nothing_fails_too():
+    """Checksums, no bound: after the sync each engine holds what vLLM's reload of the trainer's export holds. Fails
+    if an engine that kept one old parameter after the sync passed, or if a step that changed no parameter the
+    engine holds passed (the comparison would prove nothing)."""
+    lp = {"before_step": 1e-3, "stale_engine": 1.1e-3, "after_sync": 1e-3}
+    reference, stale = sums(a="new-a", b="new-b", c="c"), sums(a="old-a", b="old-b", c="c")
+    ok = C.weight_sync(sums(a="new-a", b="new-b", c="c"), reference, stale, lp)
+    assert ok.status == C.PASS and "3 of 3" in ok.figure and "changed 2" in ok.figure
+    kept = C.weight_sync(sums(a="new-a", b="old-b", c="c"), reference, stale, lp)
+    assert kept.status == C.FAIL and "first: b" in kept.detail
+    assert "changed no parameter" in C.weight_sync(reference, reference, reference, lp).detail
 
 
 def test_a_quantised_rollout_or_a_low_precision_router_fails_naming_the_key():
