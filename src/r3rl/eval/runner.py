@@ -55,7 +55,7 @@ class Evaluator:
         m, eng = cfg.model, cfg.rollout.engine
         client = RolloutClient(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
                                routing_replay=False, max_concurrency=engine_concurrency(cfg),
-                               request_timeout_s=eng.request_timeout_s)
+                               request_timeout_s=eng.request_timeout_s, max_num_seqs=eng.max_num_seqs)
         episodes = None
         if multi_turn(cfg.env):
             episodes = EpisodeRunner(client, build_environment(cfg.env), tokenizer, EpisodeSettings.of(cfg),

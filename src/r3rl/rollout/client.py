@@ -81,7 +81,7 @@ def rollout_bar(total: int, step: int, *, enabled: bool, file=None, desc: str | 
 class RolloutClient:
     def __init__(self, urls: Sequence[str], *, num_layers: int, topk: int, num_experts: int, routing_replay: bool,
                  max_concurrency: int = 64, request_timeout_s: float = 600.0, on_abort: OnAbort = "regenerate",
-                 progress: bool = True) -> None:
+                 progress: bool = True, max_num_seqs: int | None = None) -> None:
         if not urls:
             raise ValueError("RolloutClient needs at least one engine URL")
         if on_abort not in ("regenerate", "drop"):
@@ -90,6 +90,8 @@ class RolloutClient:
         self.spec = RouteSpec(num_layers=num_layers, topk=topk, num_experts=num_experts)
         self.routing_replay = routing_replay
         self.max_concurrency = max_concurrency
+        # the engines' --max-num-seqs: vLLM refuses a request whose n exceeds it (HTTP 400)
+        self.max_num_seqs = max_num_seqs
         self.request_timeout_s = request_timeout_s
         self.on_abort = on_abort
         self.progress = progress
@@ -132,6 +134,7 @@ class RolloutClient:
         m, eng = cfg.model, cfg.rollout.engine
         kwargs.setdefault("max_concurrency", engine_concurrency(cfg))
         kwargs.setdefault("request_timeout_s", eng.request_timeout_s)
+        kwargs.setdefault("max_num_seqs", eng.max_num_seqs)
         return cls(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
                    routing_replay=cfg.rollout.routing_replay, **kwargs)
 
@@ -157,8 +160,10 @@ class RolloutClient:
         # One request per prompt for its n samples (vLLM seeds sample j with seed + j, the seeds of one-sample
         # requests): 8x fewer requests than one per sample, whose handling in the API server and here kept the CPU
         # engine waiting (bench/cpu_rollout.py). A request holds at most max_concurrency samples.
-        # vLLM refuses n > 1 for a greedy request (temperature below its _SAMPLING_EPS): those go one by one.
-        chunk = 1 if sampling.temperature < _GREEDY_BELOW else max(1, min(n, self.max_concurrency))
+        # vLLM refuses n > 1 for a greedy request (temperature below its _SAMPLING_EPS): those go one by one; and
+        # n above the engine's max_num_seqs: those go in chunks it takes (the seeds are the same either way)
+        chunk = 1 if sampling.temperature < _GREEDY_BELOW else \
+            max(1, min(n, self.max_concurrency, self.max_num_seqs or n))
         gates = {u: asyncio.Semaphore(max(1, self.max_concurrency // chunk)) for u in self.urls}
         bar = rollout_bar(len(prompts) * n, step, enabled=self.progress, desc=progress_label)
 
