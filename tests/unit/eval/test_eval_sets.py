@@ -84,6 +84,12 @@ def test_eval_points_baseline_every_n_and_the_end():
         compose(["parallelism=cpu", "run.eval_every=-1"])
 
 
+def test_an_eval_sets_min_tokens_past_its_max_tokens_is_refused_naming_the_key():
+    """Fails if vLLM were left to refuse the eval's requests at the first eval point (after the engines started)."""
+    with pytest.raises(ConfigError, match="eval.sets.arithmetic.sampling.min_tokens"):
+        compose(["parallelism=cpu", "eval.sets.arithmetic.sampling.min_tokens=17"])
+
+
 def test_eval_sets_are_frozen():
     cfg = compose(["parallelism=cpu"])
     with pytest.raises(AttributeError, match="frozen"):
