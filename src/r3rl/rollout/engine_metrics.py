@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import httpx
 
 from r3rl.rollout import auth
-from r3rl.rollout.errors import EngineError
+from r3rl.rollout.errors import engine_get
 
 PREEMPTIONS = "vllm:num_preemptions_total"
 
@@ -34,11 +34,5 @@ def read_counter(urls: Sequence[str], name: str, *, timeout_s: float = 10.0) -> 
     total = 0.0
     with httpx.Client(timeout=timeout_s, headers=auth.headers()) as client:
         for url in urls:
-            try:
-                resp = client.get(f"{url.rstrip('/')}/metrics")
-            except httpx.HTTPError as err:
-                raise EngineError(f"engine {url}: /metrics failed: {err}", url=url) from err
-            if resp.status_code != 200:
-                raise EngineError(f"engine {url}: /metrics answered HTTP {resp.status_code}", url=url)
-            total += counter(resp.text, name)
+            total += counter(engine_get(client, url.rstrip("/"), "/metrics").text, name)
     return total

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+
 
 class EngineError(RuntimeError):
     """A vLLM engine that failed to start, died, timed out or does not do what the config asks.
@@ -16,3 +18,15 @@ class EngineError(RuntimeError):
         if log_tail:
             text += "\n--- last lines of the engine log ---\n" + log_tail.rstrip() + "\n--- end of engine log ---"
         super().__init__(text)
+
+
+def engine_get(client: httpx.Client, url: str, path: str) -> httpx.Response:
+    """GET one of an engine's routes; a failed request or a status other than 200 is an ``EngineError`` naming the
+    engine and the route."""
+    try:
+        resp = client.get(f"{url}{path}")
+    except httpx.HTTPError as err:
+        raise EngineError(f"engine {url}: {path} failed: {err}", url=url) from err
+    if resp.status_code != 200:
+        raise EngineError(f"engine {url}: {path} answered HTTP {resp.status_code}", url=url)
+    return resp

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from r3rl.rollout import auth
-from r3rl.rollout.errors import EngineError
+from r3rl.rollout.errors import EngineError, engine_get
 
 UPDATE_METHOD = "r3rl_update_weights_from_hf"
 
@@ -93,10 +93,5 @@ def weight_version(url: str, *, timeout_s: float = 30.0) -> str | None:
     """The label the engine reports for its current weights (``"default"`` until the first update)."""
     url = url.rstrip("/")
     with httpx.Client(timeout=timeout_s, headers=auth.headers()) as client:
-        try:
-            resp = client.get(f"{url}/weight_info")
-        except httpx.HTTPError as err:
-            raise EngineError(f"engine {url}: /weight_info failed: {err}", url=url) from err
-    if resp.status_code != 200:
-        raise EngineError(f"engine {url}: /weight_info answered HTTP {resp.status_code}", url=url)
+        resp = engine_get(client, url, "/weight_info")
     return resp.json().get("weight_version")
