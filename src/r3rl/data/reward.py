@@ -87,20 +87,30 @@ def _normalise(text: str) -> str:
     return s
 
 
+# longer numeric text compares as text: Python refuses int() of over 4300 digits (ValueError), and an exponent such
+# as 1e99999999 would build an integer of that many digits before any deadline could fire
+_MAX_NUMBER_CHARS = 400
+_MAX_EXPONENT = 1000
+_EXPONENT = re.compile(r"[eE]([-+]?\d+)")
+
+
 def _as_number(text: str) -> Fraction | None:
+    """``text`` as an exact rational, or None when it is not a number r3rl compares as one."""
     s = _normalise(text)
+    if len(s) > _MAX_NUMBER_CHARS or any(abs(int(e)) > _MAX_EXPONENT for e in _EXPONENT.findall(s[:_MAX_NUMBER_CHARS])):
+        return None
     m = _FRAC.match(s)
-    if m:
-        sign, num, den = m.groups()
-        if int(den) == 0:
-            return None
-        value = Fraction(int(num), int(den))
-        return -value if sign else value
-    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
-        s = s.replace(",", "")
     try:
+        if m:
+            sign, num, den = m.groups()
+            if int(den) == 0:
+                return None
+            value = Fraction(int(num), int(den))
+            return -value if sign else value
+        if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+            s = s.replace(",", "")
         return Fraction(s)
-    except (ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError, OverflowError):
         return None
 
 
@@ -125,7 +135,11 @@ def _partial_credit(answer: str | None, label: str | int | float, partial_credit
     b = _as_number(str(label))
     if a is None or b is None:
         return 0.0
-    return partial_credit * math.exp(-abs(float(a) - float(b)) / (abs(float(b)) + 1.0))
+    try:  # exact until the ratio, which may be past float's range (1e400 against 3): its credit is then 0
+        distance = float(abs(a - b) / (abs(b) + 1))
+    except OverflowError:
+        return 0.0
+    return partial_credit * math.exp(-distance)
 
 
 def exact_reward(response_text: str, label: str | int | float) -> float:
@@ -155,9 +169,23 @@ def _gold(label: str) -> tuple:
     return tuple(mv.parse(text, parsing_timeout=None))
 
 
+_E_NOTATION = re.compile(r"\d\.?\d*[eE]([-+]?\d+)")
+_LONG_DIGITS = re.compile(r"\d{%d,}" % (_MAX_NUMBER_CHARS + 1))
+
+
+def _beyond_reach(text: str) -> bool:
+    """Numbers no deadline can stop: sympy turns ``1.5e-99999999`` into an exact rational, an integer power of that
+    many digits computed in C, which holds the interpreter (SIGALRM waits for it); and digit runs past Python's
+    int-string limit."""
+    return bool(_LONG_DIGITS.search(text)) or any(abs(int(e)) > _MAX_EXPONENT for e in _E_NOTATION.findall(text))
+
+
 def math_verify_reward(response_text: str, label: str | int | float) -> float:
-    """1.0 when math-verify finds the response's answer equal to ``label``, else 0.0. No timeout of its own: call
-    it through ``grade`` (in the main thread), whose deadline bounds parse and verify together."""
+    """1.0 when math-verify finds the response's answer equal to ``label``, else 0.0 (also for a response holding a
+    number ``_beyond_reach``). No timeout of its own: call it through ``grade`` (in the main thread), whose deadline
+    bounds parse and verify together."""
+    if _beyond_reach(response_text) or _beyond_reach(str(label)):
+        return 0.0
     mv = _load_math_verify()
     gold = _gold(str(label))
     if not gold:
@@ -234,11 +262,21 @@ def grade(reward: Any, response_text: str, label: str | int | float, partial_cre
     rationals, linear in the response) run without one, ``math_verify`` refuses to run."""
     g = grader(reward.name)
 
-    def run() -> float:
+    def graded() -> float:
         score = g.correct(response_text, label)
         if score > 0.0 or partial_credit <= 0.0 or g.answer is None:
             return score
         return _partial_credit(g.answer(response_text), label, partial_credit)
+
+    def run() -> float:
+        # a response is the model's text: whatever it holds, it grades to a score in [0, 1], never an exception
+        # that would end the run (a grader's own bug shows in the warning, naming the grader)
+        try:
+            return min(max(float(graded()), 0.0), 1.0)
+        except Exception as err:  # noqa: BLE001
+            log.warning("reward=%s raised %s grading a response of %d characters against label %.80r; it scores 0",
+                        reward.name, f"{type(err).__name__}: {err}"[:300], len(response_text), str(label))
+            return 0.0
 
     if threading.current_thread() is not threading.main_thread():
         if not g.linear:

@@ -13,6 +13,7 @@ most ``max_digits`` digits. Nothing reaches ``eval``.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
 from fractions import Fraction
@@ -47,20 +48,25 @@ def evaluate(expression: str, *, max_chars: int = 200, max_digits: int = 40) -> 
     except SyntaxError:
         raise CalcError(f"cannot parse {text!r}") from None
 
+    def bounded(out: Fraction) -> Fraction:
+        # digit counts from bit lengths: str() of a huge integer is what the bound exists to avoid
+        if max(abs(out.numerator).bit_length(), out.denominator.bit_length()) > max_digits * 3.33 + 4 or \
+                len(str(abs(out.numerator))) > max_digits or len(str(out.denominator)) > max_digits:
+            raise CalcError(f"result longer than {max_digits} digits")
+        return out
+
     def value(node: ast.AST) -> Fraction:
         if isinstance(node, ast.Expression):
             return value(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return Fraction(str(node.value))
+            if isinstance(node.value, float) and not math.isfinite(node.value):  # 1e999 parses as inf
+                raise CalcError(f"number out of range in {text!r}")
+            return bounded(Fraction(str(node.value)))
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = value(node.left), value(node.right)
             if type(node.op) in (ast.Div, ast.FloorDiv, ast.Mod) and right == 0:
                 raise CalcError("division by zero")
-            out = _BINARY[type(node.op)](left, right)
-            out = Fraction(out)
-            if len(str(abs(out.numerator))) > max_digits or len(str(out.denominator)) > max_digits:
-                raise CalcError(f"result longer than {max_digits} digits")
-            return out
+            return bounded(Fraction(_BINARY[type(node.op)](left, right)))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](value(node.operand))
         raise CalcError(f"unsupported {type(node).__name__} in {text!r}: only numbers, + - * / // % and parentheses")

@@ -42,3 +42,38 @@ def test_turns_continue_on_a_call_and_end_on_an_answer():
     assert episode.step("so \\boxed{8788}").done
     plain = episode.step("8788")
     assert plain.done and plain.observation is None and plain.reward is None  # the run's grader decides
+
+
+def test_a_number_past_float_range_is_an_error_in_the_result_wrapper():
+    """``1e999`` parses as a float infinity: the calculator answered with a bare ValueError before (issue 59), which
+    ended the episode outside its protocol. Fails if it raises, or answers outside ``<result>...</result>``."""
+    from r3rl.env.calculator import CalculatorEnv
+
+    episode = CalculatorEnv().start("What is 1 + 1?", "2")
+    for call in ("1e999", "-1e999", "1e300", "9" * 199):
+        turn = episode.step(f"<calc>{call}</calc>")
+        assert turn.observation.startswith("<result>error: ") and turn.observation.endswith("</result>"), call
+        assert turn.tool_error
+
+
+def test_any_tool_call_is_answered_in_the_result_wrapper():
+    """Hypothesis over any text inside a tool call (sizes, nesting, numbers past float range): the episode answers
+    ``<result>...</result>`` (a value or an error) and never raises. Fails if an expression escapes the
+    calculator's errors."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from r3rl.env.calculator import CalculatorEnv
+
+    env = CalculatorEnv()
+    expressions = st.one_of(st.text(max_size=250), st.from_regex(r"[-+*/%() 0-9.eE]{1,80}", fullmatch=True),
+                            st.builds(lambda n: "(" * n + "1" + ")" * n, st.integers(0, 120)))
+
+    @settings(max_examples=300, derandomize=True, deadline=5000, database=None)
+    @given(expressions)
+    def check(expression):
+        turn = env.start("q", "1").step(f"<calc>{expression}</calc>")
+        if turn.observation is not None:  # no call found (the text closed it early) or a box: the episode ends
+            assert turn.observation.startswith("<result>") and turn.observation.endswith("</result>")
+
+    check()
