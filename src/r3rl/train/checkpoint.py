@@ -128,7 +128,8 @@ def load_rng(path: str | Path, rank: int, world_size: int, layout: Any) -> dict[
     file = rng_file(Path(path), rank)
     if not file.is_file():
         return None
-    saved = torch.load(file, map_location="cpu", weights_only=False)
+    # tensors, ints and strings only: a checkpoint is code only where it holds pickled objects (docs/security.md)
+    saved = torch.load(file, map_location="cpu", weights_only=True)
     if saved["world_size"] != world_size or saved["layout"] != dataclasses.asdict(layout):
         return None
     return saved["rng"]
