@@ -5,6 +5,7 @@ Every problem is reported with the key to change, all at once, so a user fixes a
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import is_dataclass
 from typing import Any
@@ -319,7 +320,10 @@ def validate(cfg: R3RLConfig) -> None:
     check(tr.recompute_granularity in RECOMPUTE, "trainer.recompute_granularity",
           f"must be one of {RECOMPUTE}, got {tr.recompute_granularity!r}")
     check(tr.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
-    check(tr.lr > 0, "trainer.lr", f"must be > 0, got {tr.lr}")
+    check(math.isfinite(tr.lr) and tr.lr > 0, "trainer.lr", f"must be finite and > 0, got {tr.lr}")
+    # below 0 the cosine's tail would climb the loss (gradient ascent); above the lr it would rise as it "decays"
+    check(math.isfinite(tr.min_lr) and 0 <= tr.min_lr <= max(tr.lr, 0), "trainer.min_lr",
+          f"must be in [0, trainer.lr={tr.lr}], got {tr.min_lr}")
     check(tr.max_tokens_per_micro_batch is None or tr.max_tokens_per_micro_batch >= 1,
           "trainer.max_tokens_per_micro_batch", f"must be null or >= 1, got {tr.max_tokens_per_micro_batch}")
     check(tr.max_tokens_per_micro_batch is None or pp == 1, "trainer.max_tokens_per_micro_batch",

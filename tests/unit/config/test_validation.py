@@ -55,6 +55,9 @@ REPO = Path(__file__).resolve().parents[3]
         (["rollout.engine.async_scheduling=true", "algorithm.max_staleness=1", "correction=tis",
           "algorithm.weight_update=in_flight"], "rollout.engine.async_scheduling"),
         (["rollout.sampling.min_tokens=17"], "rollout.sampling.min_tokens"),
+        (["trainer.lr=inf"], "trainer.lr"),
+        (["trainer.min_lr=-1e-6"], "trainer.min_lr"),  # gradient ascent at the end of the cosine
+        (["trainer.lr=1e-6", "trainer.min_lr=1e-3"], "trainer.min_lr"),
         # a stream always has requests in flight: its weights can only go in flight
         (["algorithm.max_staleness=1", "correction=tis", "algorithm.group_intake=completion"],
          "algorithm.group_intake"),
