@@ -482,7 +482,7 @@ class GRPORecipe(common.Recipe):
         out = {M.PREEMPTIONS: total - self.preemptions_seen}
         self.preemptions_seen = total
         if self.in_flight:
-            spanning = sum(len(np.unique(staleness.token_versions(s))) > 1 for s in samples)
+            spanning = sum(staleness.spans_versions(s) for s in samples)
             out[M.PREEMPTED_SPANNING_SAMPLES] = float(spanning if out[M.PREEMPTIONS] > 0 else 0)
         return out
 

@@ -431,13 +431,12 @@ def in_flight_sequences(cfg: R3RLConfig) -> int:
     """``algorithm.weight_update=in_flight``: the sequences one engine may hold running at once. Batch intake has
     two batches generating (the one the trainer waits for and the next, started before it ends), completion
     intake its group buffer; vLLM runs at most ``rollout.engine.max_num_seqs`` of them."""
-    from r3rl.config.modes import engine_concurrency
+    from r3rl.config.modes import engine_concurrency, group_buffer
 
     alg = cfg.algorithm
     engines = 1 if cfg.rollout.engine.url else max(cfg.parallelism.rollout.num_engines, 1)
     if alg.group_intake == "completion":
-        groups = alg.group_buffer or (alg.max_staleness + 1) * alg.rollout_batch_size
-        running = -(-groups * alg.n_samples_per_prompt // engines)
+        running = -(-group_buffer(cfg) * alg.n_samples_per_prompt // engines)
     else:
         running = 2 * engine_concurrency(cfg)
     cap = cfg.rollout.engine.max_num_seqs

@@ -65,14 +65,17 @@ def token_versions(sample: Sample) -> np.ndarray:
     return out
 
 
+def spans_versions(sample: Sample) -> bool:
+    """Whether the sample's tokens came from two or more weight versions (an in-flight update landed in it)."""
+    return len(np.unique(token_versions(sample))) > 1
+
+
 def token_metrics(samples: Sequence[Sample], trainer_version: int) -> dict[str, float]:
     """Staleness per response token in the loss, and the share of samples spanning two or more versions."""
-    per_sample = [token_versions(s) for s in samples]
-    ages = [trainer_version - v[s.loss_mask > 0] for s, v in zip(samples, per_sample)]
+    ages = [trainer_version - token_versions(s)[s.loss_mask > 0] for s in samples]
     counted = np.concatenate(ages) if ages else np.zeros(0)
     return {M.STALENESS_TOKEN_MEAN: float(counted.mean()) if counted.size else 0.0,
-            M.SPANNING_VERSIONS_SHARE: float(np.mean([len(np.unique(v)) > 1 for v in per_sample]))
-            if per_sample else 0.0}
+            M.SPANNING_VERSIONS_SHARE: float(np.mean([spans_versions(s) for s in samples])) if samples else 0.0}
 
 
 def must_sync(engine_version: int, trainer_version: int, max_staleness: int) -> bool:

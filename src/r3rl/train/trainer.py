@@ -549,8 +549,8 @@ class MegatronTrainer:
         if self.cfg.algorithm.loss == "gspo":  # GSPO averages per sequence, then over sequences
             seq = grpo.sequence_mean_weights(per_token["loss_mask"],
                                              mini_batch or self.cfg.algorithm.global_batch_size)
-            per_token["is_weights"] = [w * s for w, s in zip(per_token.get("is_weights", seq), seq)] \
-                if is_weights is not None else seq
+            own = per_token.get("is_weights")
+            per_token["is_weights"] = seq if own is None else [w * s for w, s in zip(own, seq)]
         if len(samples) > self.cfg.algorithm.global_batch_size:  # the later mini-batches' drift is measured
             per_token["rollout_logprobs"] = [np.asarray(s.rollout_logprobs, dtype=np.float32) for s in samples]
             per_token["rollout_weight"] = [(m > 0) / max(float((m > 0).sum()), 1.0) for m in per_token["loss_mask"]]
