@@ -1,8 +1,10 @@
 """Checkpoint folders of a run: ``<run.output_dir>/checkpoints/step_NNNNNN/`` plus a ``latest`` pointer.
 
-A checkpoint is written into a temporary folder and renamed into place, and ``latest`` is replaced atomically
-after it, so a job killed mid-save always leaves the previous checkpoint usable. ``meta.json`` holds what the
-recipe needs to continue: the step, the data position and the W&B run id.
+A checkpoint is written into a temporary folder, flushed to disk (files and folders fsync'ed) and renamed into
+place, and ``latest`` is replaced atomically after it, so a job killed mid-save (even ``kill -9``, even a node that
+loses power once the rename is on disk) always leaves the previous checkpoint usable. A step saved again moves its
+old folder aside before the new one takes the name, and pruning never removes a step newer than the one just
+written. ``meta.json`` holds what the recipe needs to continue: the step, the data position and the W&B run id.
 """
 
 from __future__ import annotations
@@ -69,13 +71,14 @@ def publish(run_dir: Path, tmp: Path, meta: CheckpointMeta, keep: int = 2) -> Pa
     read_complete(tmp / TRAINER_DIR)  # never name a checkpoint whose trainer state is unfinished
     final = root / step_dir_name(meta.step)
     (tmp / META).write_text(json.dumps(asdict(meta), indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    sync_tree(tmp)
+    replace_folder(tmp, final)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(final.name + "\n")
+    _fsync(pointer)
     os.replace(pointer, root / LATEST)
-    _prune(root, keep)
+    _fsync(root)
+    _prune(root, keep, meta.step)
     return final
 
 
@@ -86,6 +89,9 @@ def latest(run_dir: Path) -> Path | None:
     if not pointer.is_file():
         return None
     folder = root / pointer.read_text().strip()
+    aside = aside_name(folder)
+    if not folder.exists() and (aside / META).is_file():
+        return aside  # killed while a new save of the same step took the name (``replace_folder``)
     if not (folder / META).is_file():
         raise FileNotFoundError(f"{pointer} names {folder.name}, which has no {META}: the checkpoint is incomplete")
     return folder
@@ -99,7 +105,9 @@ def update_meta(folder: Path, meta: CheckpointMeta) -> None:
     """Replace a checkpoint's meta.json atomically (the trainer state stays as it is)."""
     tmp = Path(folder) / f".{META}.tmp"
     tmp.write_text(json.dumps(asdict(meta), indent=2))
+    _fsync(tmp)
     os.replace(tmp, Path(folder) / META)
+    _fsync(Path(folder))
 
 
 def freeze_router_mismatch(path, saved: bool) -> str:
@@ -107,8 +115,35 @@ def freeze_router_mismatch(path, saved: bool) -> str:
     have no optimizer state, so the state's shapes differ)."""
     return (f"{path} was saved with trainer.freeze_router={str(saved).lower()}: its optimizer holds "
             f"{'no' if saved else 'the'} routers' state, which trainer.freeze_router={str(not saved).lower()} cannot "
-            f"load; resume with trainer.freeze_router={str(saved).lower()}, or start a new run (run.resume=false or "
-            "another run.output_dir) from its exported weights")
+            f"load; resume with trainer.freeze_router={str(saved).lower()}, or start a new run "
+            "(another run.output_dir) from its exported weights")
+
+
+# what a trainer state's tensors are shaped by: a resume with any of these changed fails inside Megatron's load
+MODEL_SHAPE = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+               "num_experts", "moe_topk", "moe_ffn_hidden_size", "vocab_size", "tie_word_embeddings")
+
+
+def model_shape(model: Any) -> dict[str, Any]:
+    """The ``model`` config's fields that shape the trainer state, recorded in ``COMPLETE``."""
+    return {key: getattr(model, key) for key in MODEL_SHAPE}
+
+
+def model_mismatch(path, info: dict[str, Any], model: Any) -> str | None:
+    """Why the trainer state ``info`` (its ``COMPLETE``) does not fit the ``model`` config, or None. A checkpoint
+    saved before r3rl recorded the shape is compared by model name."""
+    saved = info.get("model_shape")
+    if saved is None:
+        if info.get("model_name") in (None, model.name):
+            return None
+        wrong = [f"model {info['model_name']!r}, this config {model.name!r}"]
+    else:
+        wrong = [f"{key}={value} where model.{key}={getattr(model, key, None)}" for key, value in saved.items()
+                 if getattr(model, key, None) != value]
+        if not wrong:
+            return None
+    return (f"{path} was saved by another model ({'; '.join(wrong)}): resume it with the model config that saved "
+            "it, or start a new run in another run.output_dir")
 
 
 def read_complete(trainer_dir: str | Path) -> dict[str, Any]:
@@ -131,7 +166,57 @@ def read_complete(trainer_dir: str | Path) -> dict[str, Any]:
     return info
 
 
-def _prune(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+def existing_steps(run_dir: Path) -> list[Path]:
+    """The published checkpoint folders under ``run_dir``, oldest step first."""
+    root = checkpoint_root(run_dir)
+    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def replace_folder(new: Path, final: Path) -> None:
+    """Give ``new`` the name ``final``: an existing ``final`` is renamed aside first and removed only once ``new``
+    holds the name, so a crash in between leaves one of the two where a resume finds it (``latest`` falls back to
+    the folder aside). A folder aside without ``final`` is that fallback itself, kept until ``new`` is in place."""
+    aside = aside_name(final)
+    if final.exists():
+        if aside.exists():
+            shutil.rmtree(aside)
+        final.rename(aside)
+    new.rename(final)
+    _fsync(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def aside_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.replaced")
+
+
+def sync_tree(folder: Path) -> None:
+    """fsync every file and folder under ``folder`` (itself included): a rename is atomic, but without this a
+    crash of the node can leave the renamed folder with files the kernel never wrote."""
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in files:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, keep: int, written: int) -> None:
+    """Remove the oldest checkpoints beyond ``keep`` among those up to step ``written``. A newer one is not this
+    run's to remove: it was written by a longer run in the same folder (the launch refuses a fresh run into a folder
+    with checkpoints, ``r3rl.preflight``, but a folder can be shared behind its back)."""
+    steps = [p for p in sorted(root.glob("step_*")) if p.is_dir() and _step_of(p) is not None
+             and _step_of(p) <= written]
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(folder: Path) -> int | None:
+    suffix = folder.name.removeprefix("step_")
+    return int(suffix) if suffix.isdigit() else None

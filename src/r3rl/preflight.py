@@ -163,14 +163,16 @@ def resumed_checkpoint_format(cfg: R3RLConfig) -> str | None:
 
 def resume_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     """A checkpoint this launch would resume that the config cannot continue: groups a stream drew and did not train
-    (``algorithm.group_intake=completion``) are generated again by a stream alone; an optimizer state saved with
-    the routers frozen (or training) has other shapes than ``trainer.freeze_router`` toggled expects."""
+    (``algorithm.group_intake=completion``) are generated again by a stream alone; a trainer state saved by a
+    model of other shapes, or with the routers frozen (or training) when ``trainer.freeze_router`` is toggled, fails
+    inside Megatron's load after every process started. A fresh run (``run.resume=false``) into a folder with
+    checkpoints is refused (``fresh_run_problems``)."""
     from pathlib import Path
 
     from r3rl import checkpoint
 
     if not cfg.run.resume:
-        return []
+        return fresh_run_problems(cfg)
     try:
         folder = checkpoint.latest(Path(cfg.run.output_dir))
         if folder is None:
@@ -184,11 +186,33 @@ def resume_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
         found.append(("algorithm.group_intake", f"{folder} holds {len(pending)} groups drawn and not yet trained "
                                                 "(saved with algorithm.group_intake=completion), which batch intake "
                                                 "would lose: resume with algorithm.group_intake=completion "
-                                                "algorithm.weight_update=in_flight, or run.resume=false"))
+                                                "algorithm.weight_update=in_flight, or start over in another "
+                                                "run.output_dir"))
+    wrong_model = checkpoint.model_mismatch(folder, saved, cfg.model)
+    if wrong_model:
+        found.append(("model", wrong_model))
     frozen = saved.get("freeze_router")  # None: saved before r3rl recorded it
     if saved.get("optimizer_state") and frozen is not None and frozen != cfg.trainer.freeze_router:
         found.append(("trainer.freeze_router", checkpoint.freeze_router_mismatch(folder, frozen)))
     return found
+
+
+def fresh_run_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """``run.resume=false`` into a folder that holds checkpoints: the new run's saves would sit beside the old run's,
+    ``latest`` would flip between them, and pruning by step would delete whichever run's are older. Refused; the
+    user keeps or moves the old run."""
+    from pathlib import Path
+
+    from r3rl import checkpoint
+
+    steps = checkpoint.existing_steps(Path(cfg.run.output_dir))
+    if not steps:
+        return []
+    return [("run.resume", f"run.resume=false starts a new run in run.output_dir={cfg.run.output_dir}, which holds "
+                           f"{len(steps)} checkpoint(s) of an earlier run (the newest {steps[-1].name}); the new "
+                           "run's saves would mix with them. Continue that run with run.resume=true, start the new "
+                           "one in another run.output_dir (run.name=...), or move "
+                           f"{checkpoint.checkpoint_root(Path(cfg.run.output_dir))} away yourself")]
 
 
 def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
@@ -239,7 +263,8 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
                             f"takes ~{plan.checkpoint_load_host_bytes / memory.GIB:.1f} GiB per trainer rank here "
                             "(its own saves would take "
                             f"~{plan.checkpoint_save_host_bytes / memory.GIB:.1f}): resume it under a layout with room "
-                            "for that (the one that saved it), or run.resume=false" if resume_is_larger else
+                            "for that (the one that saved it), or start over in another run.output_dir"
+                            if resume_is_larger else
                             "change " + "; ".join(memory.host_fixes(cfg)))))
     return problems
 

@@ -58,3 +58,34 @@ def test_an_unfinished_trainer_state_is_never_published(tmp_path):
     assert ckpt.latest(tmp_path).name == "step_000001"
     (folder / ckpt.TRAINER_DIR / ckpt.COMPLETE).write_text(json.dumps({"format": ckpt.TRAINER_FORMAT}))
     assert ckpt.publish(tmp_path, folder, ckpt.CheckpointMeta(step=2)) == ckpt.latest(tmp_path)
+
+
+def test_pruning_never_removes_a_step_newer_than_the_one_just_written(tmp_path):
+    """A folder that holds a longer run's checkpoints (steps 5-7) and a new save at step 1 (issue 59 item 1): the
+    new checkpoint stays and ``latest`` names it, the other run's stay too. Fails if pruning keeps the highest
+    numbered folders (it deleted step 1 as it was written, leaving ``latest`` naming nothing)."""
+    for step in (5, 6, 7):
+        ckpt.save(tmp_path, ckpt.CheckpointMeta(step=step), write(f"s{step}"), keep=3)
+    ckpt.save(tmp_path, ckpt.CheckpointMeta(step=1), write("new"), keep=2)
+    assert ckpt.latest(tmp_path).name == "step_000001"
+    assert [p.name for p in ckpt.existing_steps(tmp_path)] == ["step_000001", "step_000005", "step_000006",
+                                                                "step_000007"]
+    ckpt.save(tmp_path, ckpt.CheckpointMeta(step=2), write("new"), keep=2)
+    ckpt.save(tmp_path, ckpt.CheckpointMeta(step=3), write("new"), keep=2)  # prunes its own run's step 1 only
+    assert [p.name for p in ckpt.existing_steps(tmp_path)][:3] == ["step_000002", "step_000003", "step_000005"]
+
+
+def test_a_step_saved_again_keeps_the_old_folder_until_the_new_one_is_named(tmp_path):
+    """What ``kill -9`` leaves between the two renames of a step saved a second time (the old folder aside, the new
+    one still partial, ``latest`` naming the step): ``latest`` resolves to the folder aside, and the next save of
+    the step replaces both. Fails if ``publish`` removes the old folder before the rename (nothing left to resume)
+    or ``latest`` ignores the folder aside. The kill itself, on a real trainer: tests/integration/train/
+    test_megatron_checkpoint_kill.py."""
+    ckpt.save(tmp_path, ckpt.CheckpointMeta(step=2), write("first"))
+    final = ckpt.checkpoint_root(tmp_path) / "step_000002"
+    final.rename(ckpt.aside_name(final))  # the state the kill leaves
+    assert ckpt.latest(tmp_path) == ckpt.aside_name(final)
+    assert (ckpt.latest(tmp_path) / "state.txt").read_text() == "first"
+    ckpt.save(tmp_path, ckpt.CheckpointMeta(step=2), write("second"))
+    assert (ckpt.latest(tmp_path) / "state.txt").read_text() == "second"
+    assert not ckpt.aside_name(final).exists()

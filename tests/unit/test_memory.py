@@ -290,8 +290,8 @@ def test_a_resumed_fully_reshardable_checkpoint_is_planned_as_its_load_gathers(t
     with pytest.raises(ConfigError) as info:
         compose(colocated)
     (reason,) = [r for k, r in info.value.problems if k == "parallelism.host_memory_gib"]
-    assert "saved fully_reshardable" in reason and "run.resume=false" in reason
-    compose([*colocated, "run.resume=false"])  # a fresh start plans its own format, which fits
+    assert "saved fully_reshardable" in reason and "another run.output_dir" in reason
+    compose([*colocated, f"run.output_dir={tmp_path / 'fresh'}"])  # a fresh start plans its own format, which fits
 
 
 def test_the_dry_run_of_a_cross_format_resume_shows_the_load_of_the_format_it_reads(tmp_path, capsys):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from r3rl.checkpoint import COMPLETE, TRAINER_FORMAT, read_complete
+from r3rl.checkpoint import COMPLETE, TRAINER_FORMAT, read_complete, replace_folder, sync_tree
 
 RNG_DIR = "rng"
 
@@ -96,9 +96,8 @@ def save(path: str | Path, state: dict[str, Any], *, rank: int, world_size: int,
         if rank == 0:
             record = {"format": TRAINER_FORMAT, "world_size": world_size, "layout": dataclasses.asdict(layout), **info}
             (tmp / COMPLETE).write_text(json.dumps(record, indent=1) + "\n")
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            sync_tree(tmp)  # the shards on disk before the name says they are complete
+            replace_folder(tmp, final)
         _barrier()
 
     if queue is None:

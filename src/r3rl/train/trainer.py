@@ -812,6 +812,7 @@ class MegatronTrainer:
                                layout=self.info.layout, rng=self._rng_state(), queue=queue,
                                info={"optimizer_step": self.optimizer_step, "optimizer_state": stepped,
                                      "optimizer_format": self.optimizer_format, "model_name": self.cfg.model.name,
+                                     "model_shape": run_checkpoint.model_shape(self.cfg.model),
                                      # frozen routers have no optimizer state: the state's shapes depend on it
                                      "freeze_router": self.cfg.trainer.freeze_router})
 
@@ -842,9 +843,9 @@ class MegatronTrainer:
         from megatron.core.tensor_parallel import random as mrandom
 
         info = checkpoint.read_complete(path)
-        if info["model_name"] != self.cfg.model.name:
-            raise ValueError(f"{path}: a checkpoint of model {info['model_name']!r}, this trainer runs "
-                             f"{self.cfg.model.name!r}")
+        wrong_model = run_checkpoint.model_mismatch(path, info, self.cfg.model)
+        if wrong_model:
+            raise ValueError(wrong_model)
         with_optimizer = optimizer and info["optimizer_state"]
         if with_optimizer:
             self._check_optimizer_format(path, info)

@@ -319,7 +319,8 @@ def test_a_checkpoint_with_pending_groups_resumes_only_as_a_stream(tmp_path):
     (key, reason), = resume_problems(compose_config(base))
     assert key == "algorithm.group_intake" and "2 groups drawn and not yet trained" in reason
     assert resume_problems(compose_config([*base, "algorithm.group_intake=completion"])) == []
-    assert resume_problems(compose_config([*base, "run.resume=false"])) == []
+    # starting over instead is refused in that folder (test_a_fresh_run_into_a_folder_with_checkpoints_is_refused)
+    assert [k for k, _ in resume_problems(compose_config([*base, "run.resume=false"]))] == ["run.resume"]
 
 
 def test_soft_replay_is_r3_with_a_ratio_in_range():
@@ -362,3 +363,48 @@ def test_a_checkpoint_saved_with_the_router_frozen_resumes_only_frozen(tmp_path)
     assert resume_problems(compose_config(base)) == []
     saved(5, optimizer_state=True)
     assert resume_problems(compose_config(base)) == []
+
+
+def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused(tmp_path):
+    """``run.resume=false`` where a run left checkpoints (issue 59 item 1): its saves would mix with the old run's
+    and pruning by step would delete one run's or the other's. Refused before launch naming ``run.resume`` and
+    the folder; an empty folder, or a resume, passes. Fails if ``fresh_run_problems`` stops reading the folder."""
+    from r3rl import checkpoint
+    from r3rl.config import compose as compose_config
+    from r3rl.preflight import resume_problems
+
+    base = ["model=tiny_moe", "parallelism=cpu", f"run.output_dir={tmp_path}"]
+    assert resume_problems(compose_config([*base, "run.resume=false"])) == []
+
+    def write(folder):
+        (folder / checkpoint.TRAINER_DIR).mkdir()
+        (folder / checkpoint.TRAINER_DIR / checkpoint.COMPLETE).write_text(json.dumps(
+            {"format": checkpoint.TRAINER_FORMAT}))
+
+    checkpoint.save(tmp_path, checkpoint.CheckpointMeta(step=7), write)
+    (key, reason), = resume_problems(compose_config([*base, "run.resume=false"]))
+    assert key == "run.resume" and "step_000007" in reason and str(tmp_path) in reason
+    assert resume_problems(compose_config(base)) == []
+
+
+def test_resuming_a_checkpoint_of_another_model_shape_is_refused(tmp_path):
+    """A checkpoint whose COMPLETE records the tiny model's shapes, resumed with ``model.num_layers`` changed under
+    the same model name: refused before launch naming ``model``, the checkpoint and the field, instead of failing
+    inside Megatron's load after every process started (issue 59 item 7). Fails if ``model_mismatch`` compares names
+    only."""
+    from r3rl import checkpoint
+    from r3rl.config import compose as compose_config
+    from r3rl.preflight import resume_problems
+
+    base = ["model=tiny_moe", "parallelism=cpu", f"run.output_dir={tmp_path}"]
+    shape = checkpoint.model_shape(compose_config(base).model)
+
+    def write(folder):
+        (folder / checkpoint.TRAINER_DIR).mkdir()
+        (folder / checkpoint.TRAINER_DIR / checkpoint.COMPLETE).write_text(json.dumps(
+            {"format": checkpoint.TRAINER_FORMAT, "model_name": "tiny_moe", "model_shape": shape}))
+
+    checkpoint.save(tmp_path, checkpoint.CheckpointMeta(step=1), write)
+    assert resume_problems(compose_config(base)) == []
+    (key, reason), = resume_problems(compose_config([*base, f"model.num_layers={shape['num_layers'] + 1}"]))
+    assert key == "model" and "step_000001" in reason and f"num_layers={shape['num_layers']}" in reason
