@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import numpy as np
 import ray
 
@@ -22,6 +21,7 @@ from r3rl.config.schema import R3RLConfig
 from r3rl.doctor import checks as C
 from r3rl.doctor.checks import Check
 from r3rl.models.tiny_moe import ensure_checkpoint
+from r3rl.rollout.probe import unguarded_routes
 from r3rl.sync.disk import update_weights_from_hf, weight_checksums
 from recipes.common import console
 from recipes.grpo import GRPORecipe
@@ -45,8 +45,7 @@ class Doctor(GRPORecipe):
             prompts = next(self.dataset.batches(cfg.algorithm.rollout_batch_size))
             samples, _ = self.rollout(DOCTOR_STEP, prompts)
         routed = samples[0].routed_experts is not None
-        self.check("engine token", lambda: C.engine_auth(
-            {url: httpx.get(f"{url}/v1/models", timeout=30).status_code for url in self.engines.urls}))
+        self.check("engine token", lambda: C.engine_auth({url: unguarded_routes(url) for url in self.engines.urls}))
         no_routes = "the engine returns no routes (rollout=vllm): use rollout=vllm_r3"
 
         self.check("engine capture", lambda: C.engine_capture(

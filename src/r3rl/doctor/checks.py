@@ -337,18 +337,22 @@ def precision(engine_dtype: str, engine_argv: Sequence[str], trainer: dict[str, 
 
 
 # ---------------------------------------------------------------------------------------------- engine token
-def engine_auth(unauthenticated: dict[str, int]) -> Check:
-    """Each engine refuses a request without the run's token (``r3rl.rollout.auth``): ``unauthenticated`` is the
-    HTTP status each URL gave a request without it. One that answers is open to anyone who reaches its port: its
-    dev routes pause it, load weights into it and call worker methods."""
+def engine_auth(unguarded: dict[str, dict[str, int]]) -> Check:
+    """Each engine refuses a request without the run's token (``r3rl.rollout.auth``): ``unguarded`` holds, per URL,
+    the read-only probe routes it answered without one (``r3rl.rollout.probe.unguarded_routes``; routes outside
+    ``/v1`` included, which vLLM's own ``--api-key`` leaves open). One that answers is open to anyone who reaches
+    its port: its dev routes pause it, load weights into it and call worker methods."""
     name = "engine token"
-    open_ = [url for url, status in unauthenticated.items() if status != 401]
-    figure = f"{len(unauthenticated) - len(open_)} of {len(unauthenticated)} engines refuse requests without it"
+    open_ = {url: routes for url, routes in unguarded.items() if routes}
+    figure = f"{len(unguarded) - len(open_)} of {len(unguarded)} engines refuse requests without it"
     if open_:
-        return Check(name, FAIL, figure, f"{', '.join(open_)} answered a request without a token",
+        answered = "; ".join(f"{url}: {', '.join(f'{p} ({s})' for p, s in routes.items())}"
+                             for url, routes in open_.items())
+        return Check(name, FAIL, figure, f"answered without a token: {answered}",
                      f"start the server with --middleware {MIDDLEWARE} and {TOKEN_ENV} in its environment (r3rl's "
-                     "launched engines always are); set the same token here", {"open": open_})
-    return Check(name, PASS, figure, values={"engines": list(unauthenticated)})
+                     "launched engines always are); set the same token here (docs/security.md)",
+                     {"open": open_})
+    return Check(name, PASS, figure, values={"engines": list(unguarded)})
 
 
 # ---------------------------------------------------------------------------------------------- 8. GPU memory

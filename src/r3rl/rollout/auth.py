@@ -1,4 +1,5 @@
-"""The run's engine token: every route of an r3rl-launched vLLM server but ``/health`` answers 401 without it.
+"""The run's engine token: every route of an r3rl-launched vLLM server but ``/health`` answers 401 without it (a
+WebSocket handshake, 403).
 
 vLLM's own ``--api-key`` guards only the paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
 (``vllm/entrypoints/serve/middleware/authenticate.py``); the RL routes that pause the engine and load weights into
@@ -61,13 +62,18 @@ class EngineTokenMiddleware:
         self.expected = f"Bearer {value}".encode() if value else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        # HTTP and WebSocket alike (vLLM serves /v1/realtime over WebSocket); lifespan events carry no request
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         sent = dict(scope.get("headers") or []).get(b"authorization", b"")
         if self.expected is not None and hmac.compare_digest(sent, self.expected):
             return await self.app(scope, receive, send)
         why = (f"this engine was started without {TOKEN_ENV}: it answers /health only" if self.expected is None
                else f"missing or wrong engine token (Authorization: Bearer ${TOKEN_ENV})")
+        if scope["type"] == "websocket":  # closed before the handshake is accepted: the server answers HTTP 403
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008, "reason": why[:120]})
+            return
         body = json.dumps({"error": why}).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

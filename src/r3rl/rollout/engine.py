@@ -204,8 +204,9 @@ class VLLMEngine:
 
     @classmethod
     def attach(cls, url: str, *, timeout_s: float = 30.0) -> VLLMEngine:
-        """Use a server someone else runs (``rollout.engine.url``); it must answer ``/health``, and its other routes
-        must take this process's engine token (``R3RL_ENGINE_TOKEN``; none sent when unset)."""
+        """Use a server someone else runs (``rollout.engine.url``); it must answer ``/health``, its other routes
+        must take this process's engine token (``R3RL_ENGINE_TOKEN``; none sent when unset) and refuse requests
+        without it (``probe.unguarded_routes``: vLLM's own ``--api-key`` leaves its RL routes open)."""
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
             raise EngineError(f"rollout.engine.url={url!r}: expected http://HOST:PORT", url=url)
@@ -222,6 +223,15 @@ class VLLMEngine:
             sent = "a token that is not its own" if auth.token() else f"no token ({auth.TOKEN_ENV} is not set)"
             raise EngineError(f"engine at {url} refused r3rl's requests (HTTP 401): they carried {sent}. Set "
                               f"{auth.TOKEN_ENV} to the token the server was started with", url=url)
+        from r3rl.rollout.probe import unguarded_routes
+
+        open_ = unguarded_routes(engine.url)
+        if open_:
+            answered = ", ".join(f"{path} ({status})" for path, status in open_.items())
+            raise EngineError(f"engine at {url} answers requests without a token ({answered}): whoever reaches its "
+                              "port can pause it, load weights into it and call its workers. Start it with "
+                              f"--middleware {auth.MIDDLEWARE} and {auth.TOKEN_ENV} in its environment, and the same "
+                              f"{auth.TOKEN_ENV} here (docs/security.md)", url=url)
         return engine
 
     # -- state --------------------------------------------------------------------------------------------------

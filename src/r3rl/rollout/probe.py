@@ -96,6 +96,21 @@ def check_engine(url: str, *, spec: RouteSpec | None, timeout_s: float = 120.0) 
                        route_dtype=None if routes is None else str(routes.dtype))
 
 
+# read-only routes outside vLLM's --api-key guard (which covers /v1, /v2, /inference and /cohere only), plus one
+# inside it: r3rl's middleware answers 401 on every one of them, so any other answer means it is not there
+UNGUARDED_PROBES = ("/is_paused", "/weight_info", "/is_sleeping", "/version", "/v1/models")
+
+
+def unguarded_routes(url: str, *, timeout_s: float = 30.0) -> dict[str, int]:
+    """The probe routes ``url`` answers without a token (status other than 401: 200, or 404 for a route the server
+    lacks, which only a server without r3rl's middleware returns), by path. Empty: the engine is guarded. Every
+    probe is a GET with no side effect, so an open engine is found without being touched."""
+    url = url.rstrip("/")
+    with httpx.Client(base_url=url, timeout=timeout_s) as client:
+        answers = {path: client.get(path).status_code for path in UNGUARDED_PROBES}
+    return {path: status for path, status in answers.items() if status != 401}
+
+
 def spec_from_checkpoint(model_dir: str | Path) -> RouteSpec | None:
     """Layers / top-k / experts from a local HF checkpoint's config.json; None when it cannot be read."""
     try:

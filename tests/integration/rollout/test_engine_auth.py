@@ -48,3 +48,41 @@ def test_attaching_with_a_wrong_or_missing_token_names_the_variable(r3_engine, m
     monkeypatch.delenv(auth.TOKEN_ENV)
     with pytest.raises(EngineError, match=f"no token \\({auth.TOKEN_ENV} is not set\\)"):
         VLLMEngine.attach(r3_engine.url)
+
+
+def test_an_engine_guarded_by_vllm_api_key_alone_is_found_open_and_refused_at_attach(r3_cfg, tmp_path):
+    """A real vLLM server started the way its docs suggest, with ``--api-key`` and without r3rl's middleware (issue
+    59 item 3): ``/v1/models`` refuses a request without the key, yet ``/is_paused`` and ``/weight_info`` answer
+    it, and so would ``/pause`` and ``/update_weights``. The probe finds it open and attaching is refused naming
+    R3RL_ENGINE_TOKEN and docs/security.md. Fails if the probe (or the doctor's check built on it) asks a /v1 route
+    only, or if ``VLLMEngine.attach`` stops probing."""
+    import dataclasses
+
+    from r3rl.plan import build_plan
+    from r3rl.rollout.engine import engine_token
+    from r3rl.rollout.probe import unguarded_routes
+
+    launch = build_plan(r3_cfg).engines[0]
+    argv = list(launch.argv)
+    at = argv.index("--middleware")
+    del argv[at:at + 2]
+    launch = dataclasses.replace(launch, argv=(*argv, "--api-key", engine_token()))
+    engine = VLLMEngine.launch(launch, tmp_path, r3_cfg.rollout.engine.startup_timeout_s)
+    try:
+        assert httpx.get(f"{engine.url}/v1/models", timeout=30).status_code == 401  # vLLM's own guard holds there
+        found = unguarded_routes(engine.url)
+        assert found.get("/is_paused") == 200 and found.get("/weight_info") == 200, found
+        with pytest.raises(EngineError, match=rf"answers requests without a token \(/is_paused \(200\).*"
+                                              rf"{auth.TOKEN_ENV} here \(docs/security.md\)"):
+            VLLMEngine.attach(engine.url)
+    finally:
+        engine.shutdown()
+
+
+def test_the_launched_engine_answers_no_probe_without_the_token(r3_engine):
+    """The other side of the probe: r3rl's own engine refuses every probe route (nothing unguarded) and attaches.
+    Fails if the middleware let one of them through, or if the probe counted a 401 as open."""
+    from r3rl.rollout.probe import unguarded_routes
+
+    assert unguarded_routes(r3_engine.url) == {}
+    assert VLLMEngine.attach(r3_engine.url).url == r3_engine.url

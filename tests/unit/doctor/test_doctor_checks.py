@@ -154,9 +154,9 @@ def test_a_trainer_rank_over_the_memory_plan_fails_naming_the_keys():
 
 
 def test_an_engine_that_answers_without_the_token_fails_naming_the_middleware():
-    """Fails if an engine that served a request without the token (started by hand without r3rl's middleware)
-    passed, or one that refused it failed."""
-    assert C.engine_auth({"http://a:1": 401, "http://b:2": 401}).status == C.PASS
-    open_engine = C.engine_auth({"http://a:1": 401, "http://b:2": 200})
-    assert open_engine.status == C.FAIL and "http://b:2" in open_engine.detail
+    """Fails if an engine that answered a route outside /v1 without the token (started by hand with vLLM's own
+    --api-key, which guards /v1 only) passed, or one that refused every probe failed."""
+    assert C.engine_auth({"http://a:1": {}, "http://b:2": {}}).status == C.PASS
+    open_engine = C.engine_auth({"http://a:1": {}, "http://b:2": {"/is_paused": 200, "/weight_info": 200}})
+    assert open_engine.status == C.FAIL and "http://b:2: /is_paused (200), /weight_info (200)" in open_engine.detail
     assert "--middleware r3rl.rollout.auth.EngineTokenMiddleware" in open_engine.fix
