@@ -52,6 +52,22 @@ r3rl_defaults() {
     (( MIN_WORKER_PORT <= MAX_WORKER_PORT )) || r3rl_die "MIN_WORKER_PORT=$MIN_WORKER_PORT > MAX_WORKER_PORT=$MAX_WORKER_PORT"
 }
 
+# The folder $1, made mode 0700 for this user, or refused: a predictable /tmp path is a co-tenant's to take first,
+# and a folder or symlink they own would hold Ray's sockets and pickled objects. One this user left (a job that
+# died) is taken back and made 0700 again. (A mktemp name would be safe too, but lengthens Ray's socket paths,
+# which must stay under 108 characters.)
+r3rl_private_dir() {
+    local dir=$1
+    if ! mkdir -m 700 "$dir" 2>/dev/null; then
+        if [[ -L $dir || ! -d $dir || ! -O $dir ]]; then
+            r3rl_die "$dir exists and is not a folder of this user (a symlink, a file or another user's): it could" \
+                "read Ray's sockets and objects; remove it, or choose another RAY_TMP_ROOT"
+        fi
+        chmod 700 "$dir"
+    fi
+    [[ $(stat -c %a "$dir") == 700 ]] || r3rl_die "$dir: cannot make it mode 0700 (RAY_TMP_ROOT=${RAY_TMP_ROOT:-})"
+}
+
 r3rl_log() {
     local line
     line="[r3rl $(date +%H:%M:%S) ${R3RL_LOG_TAG:-launcher}] $*"

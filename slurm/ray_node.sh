@@ -20,9 +20,6 @@ r3rl_defaults
 
 node=${SLURMD_NODENAME:-$(hostname -s)}
 R3RL_LOG_TAG="ray-$role@$node"
-# One folder per job and node: Ray's sockets live there (node-local, short path), and two fake nodes on one
-# machine must not share it.
-tmp="$RAY_TMP_ROOT/r3rl-ray-$SLURM_JOB_ID-$node"
 # Inherited by every process Ray starts on this node (GCS, raylet, workers): the last-resort sweep finds exactly
 # those, and no process of another job or user.
 owner="$SLURM_JOB_ID.$node.$role"
@@ -37,7 +34,7 @@ fi
 
 node_ports=(NODE_MANAGER_PORT OBJECT_MANAGER_PORT RUNTIME_ENV_AGENT_PORT DASHBOARD_AGENT_GRPC_PORT
             METRICS_EXPORT_PORT DASHBOARD_AGENT_LISTEN_PORT)
-args=(start --block --temp-dir "$tmp" --num-cpus "$cpus" --num-gpus "$gpus" --disable-usage-stats
+args=(start --block --num-cpus "$cpus" --num-gpus "$gpus" --disable-usage-stats
       --node-manager-port "$NODE_MANAGER_PORT" --object-manager-port "$OBJECT_MANAGER_PORT"
       --runtime-env-agent-port "$RUNTIME_ENV_AGENT_PORT" --dashboard-agent-grpc-port "$DASHBOARD_AGENT_GRPC_PORT"
       --dashboard-agent-listen-port "$DASHBOARD_AGENT_LISTEN_PORT" --metrics-export-port "$METRICS_EXPORT_PORT"
@@ -59,7 +56,13 @@ fi
 args+=($EXTRA_RAY_ARGS)
 
 r3rl_check_ports "$check_ip" "${node_ports[@]}"
-mkdir -p "$tmp" "$LOG_DIR/pids"
+# One folder per job and node: Ray's sockets live there (node-local, short path), two fake nodes on one machine
+# must not share it, and it is this user's alone (r3rl_private_dir: 0700, refused if a co-tenant made it first).
+# Ray's own temp dir is inside it, as "r": Ray makes that one world-writable (0777) for multi-user machines.
+tmp="$RAY_TMP_ROOT/r3rl-ray-$SLURM_JOB_ID-$node"
+r3rl_private_dir "$tmp"
+args+=(--temp-dir "$tmp/r")
+mkdir -p "$LOG_DIR/pids"
 # the launcher stops a worker by this PID (from a step on this node), so its clean-up below runs in full
 echo "$$" > "$LOG_DIR/pids/agent-$role-$node"
 
@@ -94,9 +97,10 @@ stop_ray() {
         r3rl_log "killing ${#left[@]} Ray process(es) of this node that outlived ray start: ${left[*]}"
         kill -KILL "${left[@]}" 2>/dev/null || true
     fi
-    if [[ $COPY_RAY_LOGS == 1 && -d $tmp/session_latest/logs ]]; then
+    if [[ $COPY_RAY_LOGS == 1 && -d $tmp/r/session_latest/logs ]]; then
         mkdir -p "$LOG_DIR/ray-$role-$node"
-        cp -rL "$tmp/session_latest/logs/." "$LOG_DIR/ray-$role-$node/" 2>/dev/null || true
+        # -P: a link inside is copied as a link, never followed to a file elsewhere
+        cp -rP "$tmp/r/session_latest/logs/." "$LOG_DIR/ray-$role-$node/" 2>/dev/null || true
     fi
     if [[ $KEEP_RAY_TMP != 1 ]]; then rm -rf "$tmp"; fi
     r3rl_log "stopped: no Ray process of $owner left"
@@ -120,5 +124,5 @@ echo "$ray_pid" > "$LOG_DIR/pids/ray-$role-$node"
 # `wait` returns early when a trapped signal arrives; the handler then exits, so a return here means Ray ended.
 rc=0
 wait "$ray_pid" || rc=$?
-r3rl_log "error: ray start exited on its own (exit code $rc) on $node; see above and $tmp/session_latest/logs"
+r3rl_log "error: ray start exited on its own (exit code $rc) on $node; see above and $tmp/r/session_latest/logs"
 exit $(( rc == 0 ? 1 : rc ))

@@ -73,7 +73,9 @@ def start_or_attach(cfg: R3RLConfig, plan: LaunchPlan) -> RayCluster:
             num_cpus=cfg.ray.num_cpus or os.cpu_count(),
             num_gpus=num_gpus,
             include_dashboard=False,
-            _temp_dir=str(temp),
+            # Ray makes its temp dir world-writable (0777) for multi-user machines: inside a 0700 folder of
+            # ours (mkdtemp's), other users cannot reach its sockets and objects
+            _temp_dir=str(temp if cfg.ray.temp_dir else temp / "r"),
             _node_ip_address="127.0.0.1",
             namespace="r3rl",
             log_to_driver=True,

@@ -71,10 +71,13 @@ def write_packed(path, tensors: list[torch.Tensor], size: int) -> None:
     """``pack`` into a file with plain writes (the kernel copies into page-cache pages it allocates in bulk, far
     cheaper than faulting in a fresh shared mapping page by page). An existing file is overwritten in place and never
     shrunk: its pages stay allocated, so a warm file costs a memcpy, not a page allocation per 4 KiB (readers map the
-    first ``size`` bytes)."""
+    first ``size`` bytes). Created 0600 (the weights are the user's; /dev/shm is world-readable by default), and
+    never through a symlink."""
     offsets, _ = packed_offsets([str(t.dtype).removeprefix("torch.") for t in tensors],
                                 [list(t.shape) for t in tensors])
-    with open(path, "r+b" if os.path.exists(path) else "wb") as fh:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an older r3rl (0644) too; someone else's refuses: PermissionError
+    with os.fdopen(fd, "r+b") as fh:
         for t, off in zip(tensors, offsets):
             fh.seek(off)
             fh.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())

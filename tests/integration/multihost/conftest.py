@@ -77,7 +77,7 @@ def hosts():
 @pytest.fixture(scope="session")
 def ray_tmp():
     # Ray's socket paths must stay under 108 characters: a short folder in /tmp, not pytest's tmp_path
-    path = Path(tempfile.mkdtemp(prefix="r3rl-mh-", dir="/tmp"))
+    path = Path(tempfile.mkdtemp(prefix="r3m-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

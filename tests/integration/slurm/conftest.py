@@ -76,7 +76,7 @@ def ray_env() -> dict[str, str]:
 @pytest.fixture
 def launch(slurm, ray_env, tmp_path):
     # Ray's socket paths must stay under 108 characters: a short folder of its own in /tmp, not pytest's tmp_path.
-    ray_tmp = Path(tempfile.mkdtemp(prefix="r3rl-t-", dir="/tmp"))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="r3-", dir="/tmp"))
     env = {
         **ray_env,
         "LOG_ROOT": str(tmp_path),

@@ -143,6 +143,10 @@ def test_interactive_mode_writes_an_attach_script_that_runs_drivers(slurm, launc
     # the attached driver's step and Ray's GPU task see the same devices, the ones Slurm gave the job
     assert sorted(node["cuda_visible_devices"].split(",")) == sorted(seen["driver"]["cuda_visible_devices"].split(","))
     assert len(seen["driver"]["cuda_visible_devices"].split(",")) == 2
+    # issue 59 item 4: Ray's session folder and the env file (which may hold a Ray token) are the user's alone
+    ray_dir = Path(launch.env["RAY_TMP_ROOT"]) / f"r3rl-ray-{job}-n2"
+    assert ray_dir.stat().st_mode & 0o777 == 0o700
+    assert (launch.log_dir(job) / "ray.env").stat().st_mode & 0o777 == 0o600
 
     out_dir = launch.root / "attached-run"
     plan = run_attached("parallelism=cpu", "run.dry_run=true", f"run.output_dir={out_dir}")

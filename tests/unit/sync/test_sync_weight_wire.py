@@ -60,6 +60,34 @@ def test_file_rewritten_in_place_keeps_its_pages_and_reads_back_the_new_bucket(t
     assert torch.equal(got, small[0])
 
 
+def test_a_weight_file_is_its_owners_alone_and_never_written_through_a_link(tmp_path):
+    """The weights a rank writes for the engines to map (in /dev/shm, world-readable by default) are created 0600, a
+    file an older r3rl left 0644 becomes 0600 at its next write, and a symlink planted at the path is refused rather
+    than followed (issue 59 item 4). Fails if ``write_packed`` opens with the default mode or follows links."""
+    import errno
+    import os
+
+    from r3rl.sync.gloo_engine import write_packed
+
+    tensors = [torch.arange(8, dtype=torch.float32)]
+    old = os.umask(0o022)
+    try:
+        write_packed(tmp_path / "fresh", tensors, pack(tensors).numel())
+        (tmp_path / "older").write_bytes(b"")
+        (tmp_path / "older").chmod(0o644)
+        write_packed(tmp_path / "older", tensors, pack(tensors).numel())
+    finally:
+        os.umask(old)
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "older").stat().st_mode & 0o777 == 0o600
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"not yours")
+    (tmp_path / "planted").symlink_to(target)
+    with pytest.raises(OSError) as info:
+        write_packed(tmp_path / "planted", tensors, pack(tensors).numel())
+    assert info.value.errno == errno.ELOOP and target.read_bytes() == b"not yours"
+
+
 def test_update_info_parts_must_cover_the_names_and_each_have_a_file_entry():
     with pytest.raises(ValueError, match="parts"):
         GlooUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[1], [2]], parts=[[0, 1], [1, 2]])
