@@ -105,7 +105,7 @@ class Recipe:
         if engines and not self.colocated:  # their own GPUs: the servers come up while the trainer ranks start
             self.engines = EngineGroup(cfg, self.plan, self.run_dir / "logs", None)
         with console.status("starting trainer ranks"):
-            self.trainers = TrainerGroup(cfg, self.plan, loopback=self.cluster.started_here)
+            self.trainers = TrainerGroup(cfg, self.plan, loopback=self.loopback)
         if resume_from is not None:
             self.trainers.call("load_checkpoint", resume_from / checkpoint.TRAINER_DIR)
         if engines:
@@ -129,6 +129,12 @@ class Recipe:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if meta is not None:
             console.print(f"resumed from step {meta.step} ({resume_from})")
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the trainer rendezvous and the weight-transfer stores listen on 127.0.0.1: a one-node job
+        (``LaunchPlan.loopback``), or a cluster this process started (every process on this machine)."""
+        return self.plan.loopback or self.cluster.started_here
 
     def engine_token(self) -> None:
         """The token every route of the run's engines demands (``r3rl.rollout.auth``): new for each launch, in this
@@ -216,7 +222,7 @@ class Recipe:
         if self.weight_sync == "disk":
             return
         self.trainers.open_weight_transfer(self.engines.urls, backend=self.weight_sync,
-                                           loopback=self.cluster.started_here,
+                                           loopback=self.loopback,
                                            timeout_s=self.cfg.rollout.engine.request_timeout_s,
                                            bucket_bytes=int(self.cfg.rollout.weight_sync.bucket_mb * (1 << 20)),
                                            shared_memory=self.cfg.rollout.weight_sync.shared_memory)

@@ -76,6 +76,9 @@ class LaunchPlan:
     memory: memory.MemoryPlan
     wandb: WandbNaming
     ray_num_gpus: int
+    # the trainer rendezvous and the weight-transfer stores listen on 127.0.0.1: every process of a one-node job
+    # is on that node (a Slurm job's attached cluster included); more nodes need the node's cluster address
+    loopback: bool
 
 
 def cpu_engine_env() -> dict[str, str]:
@@ -346,6 +349,7 @@ def build_plan(cfg: R3RLConfig, resume_format: str | None = None) -> LaunchPlan:
         memory=memory.estimate(cfg, trainer_dtype, engine_dtype, resume_format),
         wandb=wandb_naming(cfg),
         ray_num_gpus=cfg.parallelism.nnodes * cfg.parallelism.gpus_per_node,
+        loopback=cfg.parallelism.nnodes == 1,
     )
 
 

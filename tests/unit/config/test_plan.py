@@ -204,3 +204,21 @@ def test_gpu_batch_settings_come_from_the_plan(compose_cfg):
     assert "in 4 wave(s)" in describe(fixed, build_plan(fixed))["batch_settings"]["rollout"]["why"]
     cpu = compose(["parallelism=cpu"])
     assert engine_concurrency(cpu) == 256 and cpu.trainer.max_tokens_per_micro_batch == 16384
+
+
+def test_a_one_node_job_listens_on_loopback_even_on_an_attached_cluster(compose_cfg):
+    """A Slurm job on one node attaches to the job's Ray cluster (``ray.address``), so the cluster was not started
+    by the run; its trainer rendezvous and weight-transfer stores must still listen on 127.0.0.1, as
+    docs/security.md says (issue 59 item 6). Two nodes need the node's address. Fails if ``Recipe.loopback`` goes
+    back to "the run started the cluster" alone."""
+    from r3rl.orchestration.ray_cluster import RayCluster
+    from recipes.common import Recipe
+
+    one = Recipe(compose_cfg("parallelism=cpu", "ray.address=127.0.0.1:6379"))
+    one.cluster = RayCluster(started_here=False, temp_dir=None)
+    assert one.plan.loopback and one.loopback
+    two = Recipe(compose_cfg("parallelism=cpu_2n", "ray.address=10.0.0.1:6379"))
+    two.cluster = RayCluster(started_here=False, temp_dir=None)
+    assert not two.plan.loopback and not two.loopback
+    two.cluster = RayCluster(started_here=True, temp_dir=None)  # a two-node layout simulated on this machine
+    assert two.loopback
