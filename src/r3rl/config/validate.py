@@ -253,8 +253,13 @@ def validate(cfg: R3RLConfig) -> None:
           f"sets the threads of a CPU engine; parallelism.device={par.device!r} (leave it null)")
     # several nodes: the driver on node 0 must reach every engine, and a fixed address exists on one node only
     host = ro.engine.host
-    if par.nnodes > 1 and host not in ("auto", "0.0.0.0", "::"):
-        check(host not in ("localhost", "::1") and not host.startswith("127."), "rollout.engine.host",
+    # the engines' URLs, the free-port probe and the rendezvous stores are IPv4 (an IPv6 host failed in r3rl.net
+    # after Ray and the trainer ranks were up)
+    check(":" not in host and host.strip() == host and host != "", "rollout.engine.host",
+          f"{host!r} is not an IPv4 address or host name: r3rl serves engines over IPv4; use auto, 0.0.0.0 or an "
+          "IPv4 address")
+    if par.nnodes > 1 and host not in ("auto", "0.0.0.0"):
+        check(host != "localhost" and not host.startswith("127."), "rollout.engine.host",
               f"{host} is loopback: with parallelism.nnodes={par.nnodes} the driver and trainer on other nodes cannot "
               "reach the engines there; use auto (each node's cluster address) or that interface's address")
         first = 0 if par.colocated else par.trainer.num_gpus

@@ -233,6 +233,14 @@ def test_engine_host_unreachable_from_other_nodes_is_refused(compose_cfg):
     compose_cfg(*base, "rollout.engine.host=10.0.0.5")
 
 
+@pytest.mark.parametrize("host", ["'::'", "'::1'", "'fe80::1'", "''"])
+def test_an_ipv6_engine_host_is_refused_before_launch(compose_cfg, host):
+    """``rollout.engine.host="::"`` passed validation and failed in r3rl.net's IPv4 socket after Ray and the trainer
+    ranks were up (issue 59 item 7). Refused naming the key. Fails if the host check goes."""
+    with pytest.raises(ConfigError, match=r"rollout.engine.host: .* is not an IPv4 address or host name"):
+        compose_cfg("parallelism=cpu", f"rollout.engine.host={host}")
+
+
 def test_a_missing_prompt_file_is_a_preflight_problem_in_its_format():
     """``python run.py data=gsm8k`` without the file: one config-style problem naming data.path and the parquet
     columns, not a FileNotFoundError traceback asking for JSONL. Fails if the preflight let the missing file through
