@@ -70,17 +70,27 @@ def lookup(record: dict[str, Any], key: str) -> Any:
 
 
 def jsonl_objects(path: str | Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
-    """(line number, ``file:line``, object) of every non-blank line of a JSONL file; a line that is not a JSON
-    object raises DataError naming it."""
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
+    """(line number, ``file:line``, object) of every non-blank line of a JSONL file; a line that is not UTF-8, not
+    JSON, not an object, or JSON Python cannot hold (an integer past its int-string limit, nesting past its
+    recursion limit) raises DataError naming it."""
+    with Path(path).open("rb") as f:
+        for lineno, data in enumerate(f, start=1):
+            here = f"{path}:{lineno}"
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{here}: not UTF-8 (byte {data[e.start]:#04x} at column {e.start + 1}); save the "
+                                "file as UTF-8") from None
             if not raw.strip():
                 continue
-            here = f"{path}:{lineno}"
             try:
                 obj = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise DataError(f"{here}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except ValueError as e:  # an integer of more digits than sys.get_int_max_str_digits()
+                raise DataError(f"{here}: a value r3rl cannot read ({' '.join(str(e).split())})") from None
+            except RecursionError:
+                raise DataError(f"{here}: JSON nested deeper than Python's recursion limit") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{here}: expected a JSON object, got {type(obj).__name__}")
             yield lineno, here, obj

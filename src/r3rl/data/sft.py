@@ -15,7 +15,6 @@ response tokens only. The sampler (shuffled epochs, resumable position) is ``Pro
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -68,13 +67,12 @@ def prompt_texts(data_cfg: DataConfig) -> set[str]:
     """The user prompts of a training file, GRPO's (prompt/label) or SFT's (prompt/response, messages), a chat's
     user turns each on its own: what an eval set must avoid."""
     from r3rl.data.dataset import read_prompt_rows
-    from r3rl.data.formats import MISSING, detect_format, lookup
+    from r3rl.data.formats import MISSING, detect_format, jsonl_objects, lookup
 
     path = Path(data_cfg.path)
     fmt = detect_format(path, data_cfg.format)
     if fmt == "jsonl":  # SFT records are JSONL only: a table is a prompt file
-        with path.open(encoding="utf-8") as f:
-            first = next((json.loads(line) for line in f if line.strip()), {})
+        first = next((obj for _, _, obj in jsonl_objects(path)), {})
         grpo = isinstance(first, dict) and all(lookup(first, k) is not MISSING
                                                for k in (data_cfg.label_key, data_cfg.prompt_key))
     else:
