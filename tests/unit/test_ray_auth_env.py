@@ -32,3 +32,29 @@ def test_an_attached_cluster_uses_token_auth_when_the_environment_holds_a_token(
     clean_env.setenv("RAY_AUTH_TOKEN", "x" * 64)
     use_token_auth(attaching=False)
     assert os.environ["RAY_AUTH_MODE"] == "disabled" and os.environ["RAY_AUTH_TOKEN"] == "x" * 64
+
+
+def test_a_ray_without_token_authentication_is_refused_before_anything_starts(compose_cfg, monkeypatch):
+    """Ray 2.49-2.51 (allowed by the old floor) has no token authentication: a local run died at import of
+    AuthenticationTokenLoader, a Slurm run ran without auth (issue 59 item 8). Simulated install: the version
+    string Ray reports. Fails if ``start_or_attach`` stops checking before ``ray.init``, or if pyproject's floor and
+    ``MIN_RAY`` part."""
+    import re
+    from pathlib import Path
+
+    import ray
+
+    from r3rl.orchestration.ray_cluster import MIN_RAY, ClusterError, ray_version_problem, start_or_attach
+    from r3rl.plan import build_plan
+
+    assert ray_version_problem(ray.__version__) is None
+    assert ray_version_problem("2.52.0") is None and ray_version_problem("2.60.1rc1") is None
+    assert "Ray 2.51.2 is installed; r3rl needs ray>=2.52" in ray_version_problem("2.51.2")
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    floor = re.search(r'"ray\[default\]>=(\d+)\.(\d+)', pyproject).groups()
+    assert tuple(map(int, floor)) == MIN_RAY
+    cfg = compose_cfg("parallelism=cpu")
+    monkeypatch.setattr(ray, "__version__", "2.49.0")
+    with pytest.raises(ClusterError, match="Ray 2.49.0 is installed"):
+        start_or_attach(cfg, build_plan(cfg))
+    assert not ray.is_initialized()

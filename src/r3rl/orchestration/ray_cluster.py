@@ -17,6 +17,24 @@ class ClusterError(RuntimeError):
     pass
 
 
+# Ray's token authentication (RAY_AUTH_MODE=token, and the AuthenticationTokenLoader ``use_token_auth`` resets)
+# first shipped in 2.52: before it a local run died at import and a Slurm run ran silently without authentication
+MIN_RAY = (2, 52)
+
+
+def ray_version_problem(version: str) -> str | None:
+    """Why the installed Ray (``version``) cannot run r3rl, or None."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) >= MIN_RAY:
+        return None
+    need = ".".join(map(str, MIN_RAY))
+    return (f"Ray {version} is installed; r3rl needs ray>={need}, the first release with token authentication "
+            f"(without it a run's cluster takes any client): pip install 'ray[default]>={need},<3', or make venv")
+
+
 @dataclass
 class RayCluster:
     started_here: bool
@@ -56,6 +74,9 @@ def use_token_auth(*, attaching: bool) -> None:
 def start_or_attach(cfg: R3RLConfig, plan: LaunchPlan) -> RayCluster:
     import ray
 
+    problem = ray_version_problem(ray.__version__)
+    if problem:  # before anything starts, attached clusters included
+        raise ClusterError(problem)
     use_token_auth(attaching=bool(cfg.ray.address))
     # listeners on loopback for a local cluster
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
