@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import threading
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
     if dtype.hasobject:
         raise fail("payload holds Python objects (refused: it would need unpickling)", "an integer dtype", str(dtype))
     offset = head.tell()
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # exact: np.prod wraps around int64 for a crafted header, to a size that matches
     if len(raw) - offset != count * dtype.itemsize:
         raise fail("payload size does not match its .npy header", f"{count * dtype.itemsize} data bytes",
                    f"{len(raw) - offset}", hint=f"shape {shape}, dtype {dtype}")

@@ -93,9 +93,11 @@ def version_of_label(label: object, url: str, what: str = "weights") -> int | No
     Anything else is an error naming the engine: a guessed version would mis-state every sample's staleness."""
     if label == INITIAL_WEIGHT_LABEL:
         return None
-    if isinstance(label, str) and label.isdigit():
+    # isdecimal() and ASCII: "²" is a digit to isdigit() but no int; 18 digits: a step count, never a number past
+    # Python's int-string limit
+    if isinstance(label, str) and label.isascii() and label.isdecimal() and len(label) <= 18:
         return int(label)
-    raise EngineError(f"engine {url}: {what} labelled weight version {label!r}; r3rl labels the weights it sends "
+    raise EngineError(f"engine {url}: {what} labelled weight version {label!r:.60}; r3rl labels the weights it sends "
                       f"with its step number (or vLLM's {INITIAL_WEIGHT_LABEL!r} before the first update): was the "
                       "engine updated by another process?", url=url)
 
@@ -107,8 +109,28 @@ def _weight_version(spans: object, num_tokens: int, url: str, bad) -> int | None
     if not isinstance(spans, list) or not spans or not all(isinstance(s, dict) and "version" in s for s in spans):
         raise bad(f"weight_versions is {spans!r} for {num_tokens} response tokens; expected the spans of the weight "
                   "versions that generated them (vLLM reports them on every finished response)")
-    versions = [version_of_label(s["version"], url, "response tokens") for s in spans]
+    try:
+        versions = [version_of_label(s["version"], url, "response tokens") for s in spans]
+    except EngineError as err:
+        raise bad(str(err).removeprefix(f"engine {url}: ")) from None
     return min((v or 0 for v in versions), default=None) if any(v is not None for v in versions) else None
+
+
+_MAX_TOKEN_ID = 2 ** 31 - 1  # token ids travel as int32 (Sample.response_ids)
+
+
+def _token_ids(tokens: object, bad) -> np.ndarray:
+    """The response's token ids, each an int in int32's range: NumPy would parse a string, truncate a float and
+    raise its own OverflowError past int32, none of which names the sample."""
+    if tokens is None:
+        tokens = []
+    if not isinstance(tokens, list):
+        raise bad(f"token_ids is a {type(tokens).__name__}; expected a list of token ids")
+    for i, t in enumerate(tokens):
+        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
+            raise bad(f"response token {i} is {t!r:.40} ({type(t).__name__}); expected a token id in "
+                      f"[0, {_MAX_TOKEN_ID}]")
+    return np.asarray(tokens, dtype=np.int32)
 
 
 def _logprobs(content: list, bad) -> np.ndarray:
@@ -123,7 +145,10 @@ def _logprobs(content: list, bad) -> np.ndarray:
                     else f"{value!r} ({type(value).__name__})")
             raise bad(f"log-prob of response token {i} is {what}; expected a finite number")
         values.append(value)
-    out = np.asarray(values, dtype=np.float32)
+    # float64 first: an int past float range (JSON allows 10**400) raises OverflowError only when converted one by
+    # one, and a value past float32's range becomes inf, caught below
+    finite = [v if type(v) is float or abs(v) < 1e300 else float("inf") for v in values]
+    out = np.asarray(finite, dtype=np.float64).astype(np.float32)
     bad_at = np.flatnonzero(~np.isfinite(out))
     if bad_at.size:
         i = int(bad_at[0])
@@ -138,7 +163,8 @@ def samples_from_body(raw: bytes, *, url: str, first_index: int, count: int, req
     named = samples_named(first_index, count)
     try:
         body = json.loads(raw)
-    except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, bytes that are not UTF-8, integers past the
+        # int-string limit, nesting past the recursion limit
         raise EngineError(f"engine {url}: {named} (request {request_id}): response is not JSON ({err}): "
                           f"{raw[:200]!r}", url=url) from None
     if not isinstance(body, dict):
@@ -192,8 +218,7 @@ def _sample_from_choice(choice: dict[str, Any], *, url: str, index: int, group: 
         return EngineError(f"engine {url}: sample {index} (request {request_id}): {what}", url=url)
 
     status = status_from_finish_reason(choice.get("finish_reason"), url=url, index=index, request_id=request_id)
-    tokens = choice.get("token_ids") or []
-    response_ids = np.asarray(tokens, dtype=np.int32)
+    response_ids = _token_ids(choice.get("token_ids"), bad)
     logprobs_field = choice.get("logprobs") or {}
     content = (logprobs_field.get("content") if isinstance(logprobs_field, dict) else None) or []
     if not isinstance(content, list) or len(content) != len(response_ids):
