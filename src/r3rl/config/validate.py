@@ -51,6 +51,49 @@ def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:
     return found
 
 
+# numbers past which a config is a typo, not a cluster: they would overflow the memory plan's integers (a GiB
+# budget of 1e300) or loop for hours over GPUs that cannot exist
+UPPER_BOUNDS = {"parallelism.gpus_per_node": 1024, "parallelism.nnodes": 65536, "parallelism.gpu_memory_gib": 1e5,
+                "parallelism.host_memory_gib": 1e8, "parallelism.cpus_per_gpu": 1e4,
+                "rollout.weight_sync.bucket_mb": 1e8}
+# counts of something the trainer builds or divides by: the model's shape, the micro batch
+AT_LEAST_ONE = (*(f"model.{key}" for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                                             "head_dim", "num_experts", "moe_topk", "moe_ffn_hidden_size",
+                                             "vocab_size", "max_position_embeddings")),
+                "trainer.micro_batch_size")
+
+
+def float_leaves(node: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float in a config's dataclass tree (user dicts such as
+    ``trainer.transformer_overrides`` are passed through, not walked)."""
+    found: list[tuple[str, float]] = []
+    for name, value in vars(node).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, float):
+            found.append((f"{prefix}{name}", value))
+        elif is_dataclass(value):
+            found.extend(float_leaves(value, f"{prefix}{name}."))
+    return found
+
+
+def number_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """Numbers no range check should have to think about: NaN and infinities anywhere (NaN passes any range check
+    written as ``not (x < low)``), the counts of ``AT_LEAST_ONE`` below 1, and the sizes past ``UPPER_BOUNDS``."""
+    problems = [(key, f"must be a finite number, got {value}") for key, value in float_leaves(cfg)
+                if not math.isfinite(value)]
+    problems += [(key, f"must be >= 1, got {_dotted(cfg, key)}") for key in AT_LEAST_ONE if _dotted(cfg, key) < 1]
+    problems += [(key, f"must be at most {bound:g}, got {_dotted(cfg, key):g}") for key, bound in UPPER_BOUNDS.items()
+                 if _dotted(cfg, key) is not None and _dotted(cfg, key) > bound]
+    return problems
+
+
+def _dotted(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def estimate_params(model) -> int:
     """Parameter count of a Qwen3-MoE from its shape (embeddings, attention, experts, router, norms)."""
     h, layers = model.hidden_size, model.num_layers
@@ -83,6 +126,10 @@ def validate(cfg: R3RLConfig) -> None:
     m, par, ro, tr, alg = cfg.model, cfg.parallelism, cfg.rollout, cfg.trainer, cfg.algorithm
     tp, pp, ep, cp, etp = (par.trainer.tensor_parallel, par.trainer.pipeline_parallel, par.trainer.expert_parallel,
                            par.trainer.context_parallel, par.trainer.expert_tensor_parallel)
+
+    problems.extend(number_problems(cfg))
+    if problems:  # every rule below may divide by or compare with them
+        raise ConfigError(problems)
 
     # model
     check(m.init_std > 0, "model.init_std", f"must be > 0, got {m.init_std}")
@@ -123,6 +170,12 @@ def validate(cfg: R3RLConfig) -> None:
         check(used <= total, "parallelism.rollout.num_gpus",
               f"trainer {par.trainer.num_gpus} + rollout {par.rollout.num_gpus} = {used} GPUs do not fit "
               f"nnodes x gpus_per_node = {par.nnodes} x {par.gpus_per_node} = {total}")
+    # a node the job's GPUs never reach would be reserved, planned and waited for, and do nothing
+    used = par.trainer.num_gpus if par.colocated else par.trainer.num_gpus + par.rollout.num_gpus
+    need = -(-used // par.gpus_per_node)
+    check(par.nnodes <= need, "parallelism.nnodes",
+          f"{par.nnodes} nodes, but the job's {used} GPUs fill {need} of {par.gpus_per_node} GPUs each; set "
+          f"parallelism.nnodes={need}")
 
     # rollout engines: TP x DP per engine must tile the rollout GPUs and stay within one node
     per_engine = par.rollout.tensor_parallel * par.rollout.data_parallel
