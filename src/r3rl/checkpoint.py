@@ -23,7 +23,12 @@ COMPLETE = "COMPLETE"  # written last into the trainer state: what saved it (JSO
 TRAINER_FORMAT = "megatron_dist/1"  # Megatron-core's dist_checkpointing, torch_dist backend
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint folder r3rl cannot read: a damaged ``meta.json``, ``COMPLETE`` or ``latest``; the message names
+    the file."""
+
+
+class CheckpointFormatError(CheckpointError):
     """A trainer state this version cannot load (r3rl's older per-rank format, or an unknown one)."""
 
 
@@ -88,7 +93,11 @@ def latest(run_dir: Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    folder = root / pointer.read_text().strip()
+    name = pointer.read_text(errors="replace").strip()
+    if _step_of(root / name) is None or "/" in name:  # anything else could name a folder outside the run
+        raise CheckpointError(f"{pointer} names {name[:80]!r}, not a step_NNNNNN folder: the pointer is damaged; "
+                              "write the newest complete step folder's name into it, or remove it")
+    folder = root / name
     aside = aside_name(folder)
     if not folder.exists() and (aside / META).is_file():
         return aside  # killed while a new save of the same step took the name (``replace_folder``)
@@ -97,8 +106,36 @@ def latest(run_dir: Path) -> Path | None:
     return folder
 
 
+_META_TYPES = {"step": int, "wandb_run_id": (str, type(None)), "data_state": dict, "weight_version": int,
+               "unlogged_metrics": (dict, type(None))}
+
+
 def read_meta(folder: Path) -> CheckpointMeta:
-    return CheckpointMeta(**json.loads((folder / META).read_text()))
+    """A checkpoint's ``meta.json``; ``CheckpointError`` naming the file for one that is not what ``save`` wrote."""
+    path = Path(folder) / META
+    record = _read_json(path)
+    wrong = [key for key in record if key not in _META_TYPES] + \
+        [key for key, types in _META_TYPES.items() if key in record and (not isinstance(record[key], types) or
+                                                                            isinstance(record[key], bool))]
+    pending = record.get("data_state", {}).get("pending", []) if isinstance(record.get("data_state"), dict) else []
+    if not isinstance(pending, list):  # the groups a stream drew and did not train (recipes/grpo.py)
+        wrong.append("data_state.pending")
+    if wrong or "step" not in record or record["step"] < 0:
+        raise CheckpointError(f"{path}: not the meta.json r3rl writes (keys {sorted(record)[:8]}, wrong or "
+                              f"missing: {wrong or ['step']}); the checkpoint is damaged")
+    return CheckpointMeta(**record)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; ``CheckpointError`` naming it for anything else (bytes, other JSON)."""
+    try:
+        record = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, past Python's int or recursion limits
+        raise CheckpointError(f"{path}: not valid JSON ({' '.join(str(err).split())[:120]}); the checkpoint is "
+                              "damaged") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: a JSON {type(record).__name__}, not an object; the checkpoint is damaged")
+    return record
 
 
 def update_meta(folder: Path, meta: CheckpointMeta) -> None:
@@ -133,6 +170,8 @@ def model_mismatch(path, info: dict[str, Any], model: Any) -> str | None:
     """Why the trainer state ``info`` (its ``COMPLETE``) does not fit the ``model`` config, or None. A checkpoint
     saved before r3rl recorded the shape is compared by model name."""
     saved = info.get("model_shape")
+    if saved is not None and not isinstance(saved, dict):
+        return f"{path}: its COMPLETE records model_shape {saved!r:.60}, not the fields r3rl writes: it is damaged"
     if saved is None:
         if info.get("model_name") in (None, model.name):
             return None
@@ -153,15 +192,15 @@ def read_complete(trainer_dir: str | Path) -> dict[str, Any]:
     marker = folder / COMPLETE
     if not marker.is_file():
         raise FileNotFoundError(f"{folder}: not a complete trainer checkpoint (no {COMPLETE} marker)")
-    text = marker.read_text().strip()
-    if text.isdigit():
+    text = marker.read_bytes().strip()
+    if text.isdigit() and len(text) < 10:
         raise CheckpointFormatError(
-            f"{folder}: a checkpoint in r3rl's old per-rank format (one torch.save file per rank, saved by {text} "
-            f"ranks); this version reads Megatron's distributed format ({TRAINER_FORMAT}) only. Resume or export "
-            "it with the r3rl release that wrote it")
-    info = json.loads(text)
+            f"{folder}: a checkpoint in r3rl's old per-rank format (one torch.save file per rank, saved by "
+            f"{text.decode()} ranks); this version reads Megatron's distributed format ({TRAINER_FORMAT}) only. "
+            "Resume or export it with the r3rl release that wrote it")
+    info = _read_json(marker)
     if info.get("format") != TRAINER_FORMAT:
-        raise CheckpointFormatError(f"{folder}: checkpoint format {info.get('format')!r}, this version reads "
+        raise CheckpointFormatError(f"{folder}: checkpoint format {info.get('format')!r:.60}, this version reads "
                                     f"{TRAINER_FORMAT}")
     return info
 

@@ -179,8 +179,10 @@ def resume_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
             return []
         pending = checkpoint.read_meta(folder).data_state.get("pending")
         saved = checkpoint.read_complete(folder / checkpoint.TRAINER_DIR)
-    except (OSError, ValueError):  # an unreadable one is the resume's own error to report, with its path
-        return []
+    except (OSError, ValueError) as err:  # CheckpointError, FileNotFoundError: each names the file
+        return [("run.resume", f"the checkpoint this launch would resume cannot be read: {err}. Repair or remove "
+                               "it (latest may name an older step_* folder), or start over in another "
+                               "run.output_dir")]
     found = []
     if pending and cfg.algorithm.group_intake != "completion":
         found.append(("algorithm.group_intake", f"{folder} holds {len(pending)} groups drawn and not yet trained "
