@@ -77,3 +77,28 @@ def test_any_tool_call_is_answered_in_the_result_wrapper():
             assert turn.observation.startswith("<result>") and turn.observation.endswith("</result>")
 
     check()
+
+
+def test_any_answers_give_the_reflect_episode_exactly_its_turns():
+    """``env=reflect`` reads nothing of what the policy writes: whatever the answers (empty, huge, tool calls,
+    boxes, control characters), an episode has exactly ``turns`` policy turns, each but the last followed by the
+    request. Fails if ``ReflectEpisode`` starts reacting to the text, or miscounts."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from r3rl.env.reflect import ReflectEnv
+
+    answers = st.lists(st.one_of(st.text(max_size=200), st.just("\\boxed{3}"), st.just("<calc>1e999</calc>"),
+                                 st.text(alphabet="\x00\n\r\t\\{}<>", max_size=50)), min_size=6, max_size=6)
+
+    @settings(max_examples=150, derandomize=True, deadline=5000, database=None)
+    @given(st.integers(1, 5), answers)
+    def check(turns, texts):
+        env = ReflectEnv(turns=turns)
+        episode = env.start("q", "3")
+        for i, text in enumerate(texts[:turns], start=1):
+            turn = episode.step(text)
+            assert turn.done == (i == turns)
+            assert turn.observation == (None if i == turns else env.request)
+
+    check()
