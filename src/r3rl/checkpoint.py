@@ -76,7 +76,8 @@ def publish(run_dir: Path, tmp: Path, meta: CheckpointMeta, keep: int = 2) -> Pa
     read_complete(tmp / TRAINER_DIR)  # never name a checkpoint whose trainer state is unfinished
     final = root / step_dir_name(meta.step)
     (tmp / META).write_text(json.dumps(asdict(meta), indent=2))
-    sync_tree(tmp)
+    _fsync(tmp / META)  # the trainer state was flushed by the ranks that wrote it (r3rl.train.checkpoint)
+    _fsync(tmp)
     replace_folder(tmp, final)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(final.name + "\n")

@@ -100,6 +100,16 @@ def test_a_pickled_payload_is_refused_unread():
         b64_to_npy_array(npy(np.array([Boom()], dtype=object), allow_pickle=True), sample_index=3, request_id="r")
 
 
+def test_a_header_with_a_negative_dim_is_refused():
+    """Found by the fuzz: shape ``(0, -1)`` holds 0 elements, so the size check passed and ``reshape`` raised.
+    Fails if negative dims pass the header check."""
+    header = {"descr": "|u1", "fortran_order": False, "shape": (0, -1)}
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    with pytest.raises(RoutedExpertsError, match="malformed .npy header"):
+        b64_to_npy_array(base64.b64encode(buf.getvalue()).decode(), sample_index=3, request_id="r")
+
+
 def test_a_header_whose_shape_overflows_int64_is_refused():
     """A crafted header: the product of its dims wraps around int64 (np.prod) to the bytes that follow. Fails if
     the size check multiplies in int64."""
