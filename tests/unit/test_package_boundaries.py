@@ -59,3 +59,18 @@ def test_engine_side_of_sync_stays_light(module):
     client (the worker would load Megatron or httpx-side code it never uses, or fail where it is not installed)."""
     heavy = ("r3rl.train", "r3rl.orchestration", "r3rl.rollout.client", "r3rl.sync.protocol", "r3rl.sync.wires")
     assert not [m for m in r3rl_imports(SRC / "sync" / module) if m.startswith(heavy)]
+
+
+MAX_CLASS_LINES = 400
+
+
+def test_no_class_in_src_is_too_large_to_hold():
+    """A reader who comes to change one concern should not have to hold a class of every concern (issue 60: the
+    trainer was one 800-line class; its concerns are now mixins in modules named for them). Fails when a class
+    under ``src/`` grows past ``MAX_CLASS_LINES``: split it by concern before it lands."""
+    large = {}
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                large[f"{path.relative_to(SRC)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not large, large

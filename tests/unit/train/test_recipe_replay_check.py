@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from r3rl.train.trainer import LogprobResult
+from r3rl.train.logprob_pass import LogprobResult
 from recipes.grpo import replay_mismatch_rows
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from r3rl import metrics as M
 from r3rl.sample import Sample, SampleStatus
-from r3rl.train.trainer import LogprobResult
+from r3rl.train.logprob_pass import LogprobResult
 from recipes.grpo import version_token_mismatch
 
 
