@@ -20,6 +20,7 @@ from pathlib import Path
 
 from r3rl.config.modes import SPLIT_NAMES, TRAIN_SPLIT
 from r3rl.config.schema import DataConfig
+from r3rl.data.formats import missing_prompts_message
 from r3rl.data.overlap import problem_key, problem_keys
 
 _OPS = ("+", "-", "*")
@@ -326,8 +327,6 @@ def prompts_fingerprint(data_cfg: DataConfig) -> dict:
 def ensure_prompts(data_cfg: DataConfig) -> Path:
     """The prompt file of ``data_cfg``, generated first when missing (or stale, when r3rl made it from another
     draw) and ``data.generate_if_missing`` allows it."""
-    from r3rl.data.dataset import missing_prompts_message  # dataset imports this module
-
     def make(path: Path) -> Path:
         problems = generate_problems(data_cfg.num_generated_prompts, data_cfg.seed, ProblemSpace.of(data_cfg))
         return write_jsonl(problems, path, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key)

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from r3rl.config.schema import DataConfig
-from r3rl.data.formats import (FORMATS, MISSING, DataError, detect_format, jsonl_objects, lookup, records,
-                               table_value, where)
+from r3rl.data.formats import (FORMATS, MISSING, DataError, detect_format, jsonl_objects, lookup,
+                               missing_prompts_message, records, table_value, where)
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +85,6 @@ def read_prompt_rows(path: str | Path, pkey: str, lkey: str, config_key: str = "
     if not rows:
         raise DataError(f"{path}: no prompts (the file is empty)")
     return rows
-
-
-def missing_prompts_message(data_cfg: DataConfig, config_key: str = "data") -> str:
-    """What to do about a prompt file that is not there, in the terms of its format (a parquet path gets columns,
-    not JSONL lines)."""
-    fmt = detect_format(data_cfg.path, data_cfg.format, config_key)
-    holding = f"'{data_cfg.prompt_key}' and '{data_cfg.label_key}'"
-    what = {"parquet": f"a parquet file with the columns {holding}",
-            "hf_disk": f"a datasets save_to_disk folder with the columns {holding}"}.get(
-        fmt, f"a JSONL file with one object per line holding {holding}")
-    return (f"{config_key}.path={data_cfg.path}: no such file. Point {config_key}.path at {what} "
-            f"({config_key}={data_cfg.name}), or use data=arithmetic, which generates its prompts")
 
 
 def prompt_data_problems(data_cfg: DataConfig, *, allow_missing: bool = False,

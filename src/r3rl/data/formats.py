@@ -52,6 +52,18 @@ def detect_format(path: str | Path, fmt: str = "auto", config_key: str = "data")
         return "jsonl"
 
 
+def missing_prompts_message(data_cfg: Any, config_key: str = "data") -> str:
+    """What to do about a prompt file that is not there, in the terms of its format (a parquet path gets columns,
+    not JSONL lines)."""
+    fmt = detect_format(data_cfg.path, data_cfg.format, config_key)
+    holding = f"'{data_cfg.prompt_key}' and '{data_cfg.label_key}'"
+    what = {"parquet": f"a parquet file with the columns {holding}",
+            "hf_disk": f"a datasets save_to_disk folder with the columns {holding}"}.get(
+        fmt, f"a JSONL file with one object per line holding {holding}")
+    return (f"{config_key}.path={data_cfg.path}: no such file. Point {config_key}.path at {what} "
+            f"({config_key}={data_cfg.name}), or use data=arithmetic, which generates its prompts")
+
+
 def where(path: str | Path, fmt: str, row: int) -> str:
     """How a message points at a record: ``file:line`` in JSONL, ``file row N`` (from 0) in a table."""
     return f"{path}:{row}" if fmt == "jsonl" else f"{path} row {row}"
