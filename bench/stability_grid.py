@@ -104,7 +104,10 @@ def main() -> None:
                 "after the last, paired by prompt and clustered by problem):", "", render_table(rows), ""]
         write_block(REPO / "docs" / "stabilisers.md", "\n".join([BEGIN, *head, *verdict_lines, "", f"`{last}`", END]),
                     BEGIN, END)
-        write_block(REPO / "README.md", "\n".join([BEGIN, *head, f"`{last}`", END]), BEGIN, END)
+        # the README gives the verdicts; the table lives on the page
+        readme = [f"`{command}` ({args.steps} GRPO steps of 64 prompts x 4 per run; the table of every arm is on "
+                  "[Which stabiliser do I need?](docs/stabilisers.md)):", ""]
+        write_block(REPO / "README.md", "\n".join([BEGIN, *readme, *verdict_lines, "", f"`{last}`", END]), BEGIN, END)
         print("wrote the blocks of docs/stabilisers.md and README.md")
 
 
