@@ -27,10 +27,12 @@ from r3rl.dashboard.report import RUNSET_NAMES  # noqa: E402
 from r3rl.tracking.offline_reader import OfflineRun  # noqa: E402
 from r3rl.tracking.summary import fmt_cell, replay_removes_text, summarize  # noqa: E402
 
-# Each replay mode keeps its colour in every panel; a family (one line per layer) takes shades of it.
-_COLOURS = {"r3": ("tab:blue", "Blues"), "r2": ("tab:purple", "Purples"), "none": ("tab:orange", "Oranges"),
-            None: ("tab:green", "Greens")}
-_STYLES = ("-", "--", ":", "-.")
+# Each run keeps its colour in every panel (two R3 runs are told apart), and its replay mode its line style (R3 on
+# solid, off dashed); a family (one line per layer) and a panel's several keys take shades of the run's colour.
+_COLOURS = (("tab:blue", "Blues"), ("tab:orange", "Oranges"), ("tab:green", "Greens"), ("tab:purple", "Purples"),
+            ("tab:red", "Reds"), ("tab:brown", "YlOrBr"), ("tab:gray", "Greys"))
+_REPLAY_STYLES = {"r3": "-", "none": "--", "r2": "-.", None: ":"}
+_MARKERS = (".", "x", "^", "s", "v", "d")
 
 
 def run_label(run: OfflineRun) -> str:
@@ -62,19 +64,15 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[OfflineRun]) -> int:
     lines = 0
     for run_index, run in enumerate(runs):
         keys = panel.select(run.metric_keys())
-        colour, cmap_name = _COLOURS[run.replay]
-        style_offset = sum(1 for r in runs[:run_index] if r.replay == run.replay)  # two runs of one state: other dashes
-        family = len(keys) > len(_STYLES)
+        colour, cmap_name = _COLOURS[run_index % len(_COLOURS)]
+        style = _REPLAY_STYLES.get(run.replay, ":")
         cmap = plt.get_cmap(cmap_name)
         for i, key in enumerate(keys):
             steps, values = run.series(key)
-            if family:
-                shade = cmap(0.35 + 0.6 * i / max(len(keys) - 1, 1))
-                style = _STYLES[style_offset % len(_STYLES)]
-            else:
-                shade, style = colour, _STYLES[(i + style_offset) % len(_STYLES)]
+            shade = colour if len(keys) == 1 else cmap(0.35 + 0.6 * i / (len(keys) - 1))
+            marker = "." if len(keys) > len(_MARKERS) else _MARKERS[i]  # a family: shades alone
             ys = [math.nan if v is None else v for v in values]
-            ax.plot(steps, ys, style, color=shade, marker=".", label=f"{_short_label(run, runs)}: {key}")
+            ax.plot(steps, ys, style, color=shade, marker=marker, label=f"{_short_label(run, runs)}: {key}")
             _stderr_band(ax, run, key, steps, ys, shade)
             lines += 1
     ax.set_title(panel.title_for(runs), fontsize=10)

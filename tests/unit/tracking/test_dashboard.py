@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import json
 
+import matplotlib.colors
 import matplotlib.image
 import pytest
 
@@ -177,10 +178,33 @@ def test_each_replay_mode_has_its_runset_colour_and_label(run_dirs, tmp_path):
     assert runsets[1]["filters"]["filters"][0]["value"] == ["replay:r2"]
     assert runsets[1]["filters"]["filters"][1]["value"] == [runs[1].run_id]
     fig, ax = plt.subplots()
-    draw_panel(ax, PANELS[0], runs)  # the mismatch, one colour per mode
-    colours = {line.get_label().split(":")[0]: line.get_color() for line in ax.get_lines()}
+    draw_panel(ax, PANELS[0], runs)  # the mismatch: one colour per run, one line style per replay mode
+    styles = {line.get_label().split(":")[0]: (line.get_color(), line.get_linestyle()) for line in ax.get_lines()}
     plt.close(fig)
-    assert set(colours) == {"R3 on", "R2", "R3 off"} and len(set(colours.values())) == 3
+    assert set(styles) == {"R3 on", "R2", "R3 off"} and len({c for c, _ in styles.values()}) == 3
+    assert styles["R3 on"][1] == "-" and styles["R3 off"][1] == "--"
+
+
+def test_two_runs_of_one_replay_mode_get_their_own_colours(run_dirs):
+    """``--runs A B`` on two R3 runs drew both in R3's one blue (issue 60). Fails if colour follows the replay mode
+    again instead of the run; the replay mode keeps the line style."""
+    import dataclasses
+
+    from matplotlib import pyplot as plt
+
+    from r3rl.dashboard.local import draw_panel
+
+    runs = load_runs([run_dirs[True]])
+    twin = dataclasses.replace(runs[0], name="another R3 run")
+    fig, ax = plt.subplots()
+    draw_panel(ax, PANELS[0], [runs[0], twin])
+    lines = ax.get_lines()
+    plt.close(fig)
+    by_run: dict[str, set] = {}
+    for line in lines:  # one colour (shades of it, one per key) per run
+        by_run.setdefault(line.get_label().rsplit(": ", 1)[0], set()).add(tuple(matplotlib.colors.to_rgba(line.get_color())))
+    (first, second) = by_run.values()
+    assert not first & second and {line.get_linestyle() for line in lines} == {"-"}
 
 
 def test_stabiliser_table_has_one_row_per_run_with_its_setup_and_figures(run_dirs, tmp_path, make_step_metrics):
