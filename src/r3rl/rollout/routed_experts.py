@@ -102,8 +102,11 @@ def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
     except Exception as err:  # NumPy's header parser raises ValueError, SyntaxError or (Python 3.12)
         # tokenize.TokenError for the same kind of garbage: each of them is a malformed header
         raise fail("payload has a malformed .npy header", hint=f"{type(err).__name__}: {err}") from None
-    if any(d < 0 for d in shape):  # numpy's parser takes them; a reshape would fail past every check below
-        raise fail("payload has a malformed .npy header", "dims >= 0", f"shape {shape}")
+    # numpy's parser takes negative dims, and dims whose product no array can have (beside a 0 dim the size check
+    # passes): a reshape would fail past every check below
+    if any(d < 0 for d in shape) or math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 2 ** 62:
+        raise fail("payload has a malformed .npy header", "dims >= 0 of a size an array can have",
+                   f"shape {shape}"[:200])
     if dtype.hasobject:
         raise fail("payload holds Python objects (refused: it would need unpickling)", "an integer dtype", str(dtype))
     offset = head.tell()

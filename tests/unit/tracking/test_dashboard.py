@@ -202,7 +202,8 @@ def test_two_runs_of_one_replay_mode_get_their_own_colours(run_dirs):
     plt.close(fig)
     by_run: dict[str, set] = {}
     for line in lines:  # one colour (shades of it, one per key) per run
-        by_run.setdefault(line.get_label().rsplit(": ", 1)[0], set()).add(tuple(matplotlib.colors.to_rgba(line.get_color())))
+        colour = tuple(matplotlib.colors.to_rgba(line.get_color()))
+        by_run.setdefault(line.get_label().rsplit(": ", 1)[0], set()).add(colour)
     (first, second) = by_run.values()
     assert not first & second and {line.get_linestyle() for line in lines} == {"-"}
 
