@@ -30,3 +30,15 @@ def with_default_parallelism(overrides: list[str]) -> list[str]:
     if any(a in ("--help", "-h", "--info", "--cfg", "-c", "--hydra-help") for a in overrides):
         return overrides
     return overrides + [f"parallelism={default_parallelism()}"]
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """``"0.22.1+cu130"`` -> ``(0, 22, 1)``: the leading numeric parts of a release string (a local tag after ``+``
+    dropped), for comparing installed versions against the ones r3rl needs."""
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)

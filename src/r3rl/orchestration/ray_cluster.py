@@ -11,6 +11,7 @@ from pathlib import Path
 
 from r3rl.config.schema import R3RLConfig
 from r3rl.plan import LaunchPlan
+from r3rl.platform import version_tuple
 
 
 class ClusterError(RuntimeError):
@@ -24,11 +25,7 @@ MIN_RAY = (2, 52)
 
 def ray_version_problem(version: str) -> str | None:
     """Why the installed Ray (``version``) cannot run r3rl, or None."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    if tuple(parts) >= MIN_RAY:
+    if version_tuple(version)[:2] >= MIN_RAY:
         return None
     need = ".".join(map(str, MIN_RAY))
     return (f"Ray {version} is installed; r3rl needs ray>={need}, the first release with token authentication "

@@ -15,6 +15,7 @@ import secrets
 import httpx
 
 from r3rl.config.schema import SamplingConfig
+from r3rl.platform import version_tuple
 from r3rl.rollout import auth
 from r3rl.rollout.errors import EngineError
 from r3rl.rollout.routed_experts import RouteSpec, RoutedExpertsError
@@ -39,16 +40,6 @@ class ProbeReport:
         return asdict(self)
 
 
-def _parse_version(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
 def check_engine(url: str, *, spec: RouteSpec | None, timeout_s: float = 120.0) -> ProbeReport:
     """Probe ``url``; ``spec`` None means routing replay is off (no routes required). Raises ``EngineError``."""
     url = url.rstrip("/")
@@ -61,7 +52,7 @@ def check_engine(url: str, *, spec: RouteSpec | None, timeout_s: float = 120.0) 
             raise EngineError(f"engine {url}: /version answered HTTP {resp.status_code}; is it a vLLM server?",
                               url=url)
         version = str(resp.json().get("version", ""))
-        if spec is not None and _parse_version(version) < MIN_VLLM_VERSION:
+        if spec is not None and version_tuple(version) < MIN_VLLM_VERSION:
             need = ".".join(map(str, MIN_VLLM_VERSION))
             raise EngineError(f"engine {url}: vLLM {version} is too old for routing replay over {GENERATE_PATH} "
                               f"(needs >= {need})", url=url)
