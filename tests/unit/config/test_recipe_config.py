@@ -110,9 +110,11 @@ def test_a_foreign_checkpoint_of_another_shape_is_refused_naming_model_checkpoin
     folder = tmp_path / "export"
     folder.mkdir()
     shutil.copy(tiny_model_dir / "config.json", folder / "config.json")
-    compose(["parallelism=cpu", f"model.checkpoint={folder}"])  # the tiny model's shape: accepted
+    # a run folder of its own: the default one may hold a developer's finished run of another shape
+    run = f"run.output_dir={tmp_path / 'run'}"
+    compose(["parallelism=cpu", run, f"model.checkpoint={folder}"])  # the tiny model's shape: accepted
     with pytest.raises(ConfigError) as info:
-        compose(["parallelism=cpu", f"model.checkpoint={folder}", "model.num_layers=2"])
+        compose(["parallelism=cpu", run, f"model.checkpoint={folder}", "model.num_layers=2"])
     ((key, reason),) = info.value.problems
     assert key == "model.checkpoint" and "num_hidden_layers=4 but model.num_layers=2" in reason
-    compose(["parallelism=cpu", f"model.checkpoint={tiny_model_dir}", "model.num_layers=2"])
+    compose(["parallelism=cpu", run, f"model.checkpoint={tiny_model_dir}", "model.num_layers=2"])
