@@ -30,7 +30,7 @@ from r3rl.orchestration.groups import EngineGroup, TrainerGroup
 from r3rl.orchestration.ray_cluster import start_or_attach
 from r3rl.plan import WandbNaming, build_plan, weight_sync_backend
 from r3rl.rollout import auth
-from r3rl.rollout.engine import EngineError
+from r3rl.rollout.engine import EngineError, route_store_failure
 from r3rl.sync.protocol import EngineSet
 from r3rl.rollout.wire import foreign_weight_labels
 from r3rl.sync.disk import update_weights_from_hf, weight_version
@@ -175,6 +175,18 @@ class Recipe:
         self.stop = True
         # a step in flight completes first (Slurm's --signal=B:TERM@120 leaves time for one step)
         console.print("[yellow]SIGTERM: finishing this step, then checkpointing[/]")
+
+    def engine_fault(self, step: int, err: Exception) -> EngineError | None:
+        """The engine fault behind ``err``, raised by step ``step``, if there is one: an engine whose node went down
+        surfaces as whatever call reached it first, and an engine error may come from a route store that filled up;
+        either way the error names it."""
+        if dead := self.engines.dead():
+            first = (str(err).splitlines() or [""])[0]
+            return EngineError(f"step {step}: engine(s) {', '.join(dead)} went down ({type(err).__name__}: {first}); "
+                               "this step was not saved")
+        if isinstance(err, EngineError) and (store := route_store_failure(self.run_dir / "logs")):
+            return EngineError(f"step {step}: {store}; this step was not saved")
+        return None
 
     # ------------------------------------------------------------------ eval
     def eval_before_training(self) -> None:

@@ -1,15 +1,11 @@
 """GRPO for MoE models with Rollout Routing Replay: the recipe ``python run.py`` launches.
 
-Each step reads top to bottom: generate -> log-probs (with and without replay) -> mismatch metrics -> train ->
-sync weights -> log -> save. With ``algorithm.max_staleness >= 1`` the engines are the producer and the trainer the
-consumer: a step takes the batch the engines generated during the previous step, hands the engines the trainer's
-weights if their next batch would otherwise come out too old, starts that batch, and trains this one meanwhile.
-With ``algorithm.weight_update=in_flight`` the weights go to the engines under the batch still generating, and the
-next batch starts beside its slowest samples, before the step waits for them; with ``algorithm.group_intake=completion``
-too, the engines generate a stream of groups and a step takes the first to complete (``r3rl.rollout.group_stream``).
-The driver process is the controller and holds no GPU; trainer ranks and vLLM engines are Ray actors placed by
-``r3rl.placement``. What the SFT recipe shares with this one (start and stop of the
-actors, weight sync, eval points, checkpoints, SIGTERM, the end-of-run report) is in ``recipes/common.py``.
+Each step reads top to bottom: generate and grade -> log-probs (with and without replay) -> advantages -> train ->
+sync weights -> mismatch metrics -> log -> save. When the batch is generated (in turn, one step ahead, with weight
+updates in flight, or in completion order) is the schedule's business (``recipes/schedule.py``): the step asks it
+for its batch and tells it when it trained. The driver process is the controller and holds no GPU; trainer ranks and
+vLLM engines are Ray actors placed by ``r3rl.placement``. What the SFT recipe shares with this one (start and stop of
+the actors, weight sync, eval points, checkpoints, SIGTERM, the end-of-run report) is in ``recipes/common.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,25 +21,25 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from r3rl import metrics as M
 from r3rl import route_trace
-from r3rl.config.modes import (group_buffer, group_draw_limit, pi_old_from_training_forward, replay_mode,
-                               unreplayed_pass_due)
+from r3rl.config.modes import pi_old_from_training_forward, replay_mode, unreplayed_pass_due
 from r3rl.config.schema import R3RLConfig
 from r3rl.data.arithmetic import ensure_prompts
 from r3rl.data.dataset import PromptDataset
-from r3rl.data.reward import grade
+from r3rl.data.reward import grade_samples
 from r3rl.env import build_environment, multi_turn
-from r3rl.env.episodes import EpisodePrompt, EpisodeRunner, EpisodeSettings
+from r3rl.env.episodes import EpisodePrompt, EpisodeRunner, EpisodeSettings, mask_failed_episodes
 from r3rl.env.stitch import shift_turn_rows
 from r3rl.rollout import engine_metrics
 from r3rl.rollout.client import RolloutClient
-from r3rl.rollout.engine import EngineError, route_store_failure
-from r3rl.rollout.group_stream import Drawn, GroupFailed, GroupStream, requeued
+from r3rl.rollout.engine import EngineError
 from r3rl.rollout.store import save_rollout
 from r3rl.sample import Sample, SampleStatus
 from r3rl.train import correction, dapo, staleness
 from r3rl.train.grpo import group_advantages
+from r3rl.train.step_figures import step_figures, update_figures
 from recipes import common
 from recipes.common import StopRequested, console
+from recipes.schedule import schedule_for
 
 __all__ = ["GRPORecipe", "StopRequested", "run_recipe"]
 
@@ -61,19 +56,9 @@ class GRPORecipe(common.Recipe):
         # in flight, every batch (and DAPO round) has a client of its own: two batches generate at once, from two
         # threads, and each client's state belongs to one event loop; a sync in flight reaches all of them
         self.live_clients: list[RolloutClient] = []
-        # max_staleness >= 1: the batch the engines generate while the trainer trains (its step, its prompts, the
-        # future of its first generation round, and the data state from before its prompts were drawn, which a
-        # checkpoint saves so that a resumed run generates it again: nothing lost, nothing trained twice). Grading
-        # stays in the main thread (the reward's SIGALRM deadline), and with it any further DAPO round
-        self.producer = ThreadPoolExecutor(max_workers=2 if self.in_flight else 1,
-                                           thread_name_prefix="r3rl-rollout-ahead") if self.max_staleness else None
-        self.ahead: tuple[int, list, Future, dict] | None = None
-        # group_intake=completion: the stream of groups (built in train, started at the first step), its client,
-        # and the groups a checkpoint left drawn and untrained (generated first)
-        self.completion = cfg.algorithm.group_intake == "completion"
-        self.stream: GroupStream | None = None
-        self.stream_client: RolloutClient | None = None
+        # group_intake=completion: the groups a checkpoint left drawn and untrained (generated first)
         self.resumed_data_state: dict = {}
+        self.schedule = schedule_for(self)
         # env with episodes (r3rl.env): the environment, built in setup, and its episode loop over the client
         self.environment = None
         self.episodes: EpisodeRunner | None = None
@@ -107,12 +92,8 @@ class GRPORecipe(common.Recipe):
         cfg = self.cfg
         # one stream of prompt batches: dynamic sampling draws its extra rounds from it, so a checkpoint's data state
         # counts every prompt a step used
-        self.batches = batches = self.dataset.batches(cfg.algorithm.rollout_batch_size)
-        if self.completion:  # one prompt a draw, as groups complete; a checkpoint's pending groups first
-            draws = self.dataset.batches(1)
-            again, next_serial = requeued(self.resumed_data_state, self.dataset.__getitem__)
-            self.stream = GroupStream(lambda: next(draws)[0], self.generate_group, capacity=group_buffer(cfg),
-                                      requeue=again, next_serial=next_serial)
+        self.batches = self.dataset.batches(cfg.algorithm.rollout_batch_size)
+        self.schedule.begin()
         self.eval_before_training()
         with Progress(TextColumn("[bold]GRPO step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
@@ -121,16 +102,10 @@ class GRPORecipe(common.Recipe):
                 if self.stop:  # arrived during setup: nothing new to save
                     raise StopRequested(step - 1)
                 try:
-                    # ahead of the trainer, the engines draw their prompts themselves (``collect``)
-                    self.train_step(step, None if self.producer else next(batches))
+                    self.train_step(step)
                 except Exception as err:
-                    # an engine whose node went down surfaces as whatever call reached it first: name the engine
-                    if dead := self.engines.dead():
-                        first = (str(err).splitlines() or [""])[0]
-                        raise EngineError(f"step {step}: engine(s) {', '.join(dead)} went down "
-                                          f"({type(err).__name__}: {first}); this step was not saved") from err
-                    if isinstance(err, EngineError) and (store := route_store_failure(self.run_dir / "logs")):
-                        raise EngineError(f"step {step}: {store}; this step was not saved") from err
+                    if named := self.engine_fault(step, err):
+                        raise named from err
                     raise
                 bar.advance(task)
                 if step % cfg.run.save_every == 0 or step == cfg.run.num_steps or self.stop:
@@ -141,6 +116,7 @@ class GRPORecipe(common.Recipe):
                     raise StopRequested(step)
 
     def train_step(self, step: int, prompts=None) -> None:
+        """One step (``prompts``: the step's own, for a caller that drives steps itself; else the schedule draws)."""
         cfg, alg = self.cfg, self.cfg.algorithm
         timings: dict[str, float] = {}
         started = time.perf_counter()
@@ -150,7 +126,7 @@ class GRPORecipe(common.Recipe):
         # 1. generate and grade (DAPO: groups of equal outcome dropped and refilled, overlong responses penalised);
         # ahead of the trainer (max_staleness >= 1): the batch generated meanwhile, the next one started
         t = time.perf_counter()
-        samples, rollout_stats = self.rollout(step, prompts) if self.producer is None else self.collect(step, timings)
+        samples, rollout_stats = self.schedule.batch(step, timings, prompts)
         rewards = [s.reward for s in samples]
         timings["rollout"] = time.perf_counter() - t - timings.get("weight_sync", 0.0)
         if cfg.debug.wrong_stitching and self.episodes is not None:  # the bench's deliberate fault
@@ -202,200 +178,40 @@ class GRPORecipe(common.Recipe):
         timings["train"] = time.perf_counter() - t
 
         # 4. sync weights: the engines serve the new policy from the next step on (ahead of the trainer: from the
-        # batch after the one they are generating, in the next step's ``collect``)
-        if self.producer is None:
-            t = time.perf_counter()
-            self.sync_weights(version=step)  # colocated: Adam's moments go to host memory before the engines wake
-            timings["weight_sync"] = time.perf_counter() - t
+        # batch after the one they are generating, when the schedule starts it)
+        self.schedule.after_train(step, timings)
 
         # 5. metrics: mismatch with and without replay on identical data, routing flips, correction, rewards, perf
-        # (routing flips need the engine's routes: from the unreplayed pass, the only one under R2 and none)
-        live = unreplayed if self.r3 else (replayed if samples[0].routed_experts is not None else None)
-        values = M.step_metrics(
-            rollout_logprobs=rollout_lps,
-            trainer_logprobs=replayed.logprobs,
-            trainer_logprobs_no_replay=unreplayed.logprobs if unreplayed is not None else None,
-            loss_masks=masks,
-            rewards=rewards,
-            response_lengths=[s.response_length for s in samples],
-            prompt_lengths=[len(s.prompt_ids) for s in samples],
-            routing_flip_per_layer=live.flip_per_layer if live is not None else None,
-            routing_flip_per_layer_prompt=live.flip_per_layer_prompt if live is not None else None,
-            router_per_layer=(live.margin_per_layer, live.small_margin_per_layer, live.load_max_vio_per_layer)
-            if live is not None and live.margin_per_layer is not None else None,
-            sample_groups=[s.group for s in samples],
-            replay_mismatch_rows=replay_mismatch_rows(replayed) if self.r3 else None,
-            loss=train_out.get("loss"),
-            grad_norm=train_out.get("grad_norm"),
-            timings_s=timings,
-            step_time_s=time.perf_counter() - started,
-        )
-        if self.r3 and unreplayed is None:  # the paired pass skipped this step: its figures are not logged
-            for key in (M.LOGPROB_ABS_DIFF_NO_REPLAY, M.LOGPROB_ABS_DIFF_NO_REPLAY_STDERR):
-                values.pop(key)
-        if not self.r3:  # one pass, no pairing: replayed and unreplayed are the same figures
-            for key in (M.LOGPROB_ABS_DIFF_PAIRED_DELTA, M.LOGPROB_ABS_DIFF_PAIRED_DELTA_STDERR):
-                values.pop(key, None)
-        values.update(corrected.metrics)
-        values.update(rollout_stats)
-        if self.episodes is not None:  # the mismatch of each turn's tokens, with and without replay, same batch
-            turns = [s.extra["turn_of_token"] for s in samples]
-            values.update(M.per_turn_mismatch(replayed.logprobs, rollout_lps, masks, turns))
-            if unreplayed is not None:
-                values.update(M.per_turn_mismatch(unreplayed.logprobs, rollout_lps, masks, turns,
-                                                  M.LOGPROB_ABS_DIFF_NO_REPLAY_TURN))
-        if self.producer is not None:  # the engine mismatch alone, on the samples the trainer's weights generated
-            fresh = [i for i, s in enumerate(samples) if (s.weight_version or 0) == step - 1]
-            if fresh:
-                values[M.LOGPROB_ABS_DIFF_FRESH] = M.logprob_abs_diff(
-                    [replayed.logprobs[i] for i in fresh], [samples[i].rollout_logprobs for i in fresh],
-                    [samples[i].loss_mask for i in fresh])
-            values.update(version_token_mismatch(samples, step - 1, replayed, unreplayed))
+        values = step_figures(samples, replayed, unreplayed, train_out, replay_mode=self.replay_mode, step=step,
+                              max_staleness=self.max_staleness, multi_turn=self.episodes is not None,
+                              timings=timings, step_time_s=time.perf_counter() - started,
+                              merged=(corrected.metrics, rollout_stats))
         values.update(self.preemptions(samples))
-        values.update({f"train/{k}": float(v) for k, v in train_out.items()
-                       if k not in ("loss", "grad_norm", "step") and isinstance(v, (int, float))})
+        values.update(update_figures(train_out, self.replay_mode))
         if self.colocated:  # what the trainer still held on its GPUs when the engines woke (0 on a CPU)
             values[M.PERF_TRAINER_RESERVED_AT_WAKE] = max(b for e, b in self.handoffs if e == "yield") / 2**30
-        if self.replay_mode == "r2":
-            values[M.R2_REPLAY_MISMATCH_ROWS] = float(train_out["replay_mismatch_rows"])
-            values[M.R2_REPLAYED_ROWS] = float(train_out["replayed_rows"])
         self.log_with_eval(step, values)
 
-    def collect(self, step: int, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
-        """``max_staleness >= 1``: the step's samples, generated while the trainer trained the previous step (now,
-        on a run's first step and after a resume), with the samples older than the bound taken out of the loss.
-        Then the engines take the trainer's weights if the batch they start next would otherwise be trained more
-        than ``max_staleness`` versions after its weights, and start it: it is generated while this step trains."""
-        if self.stream is not None:
-            return self.take_completed(step, timings)
-        if self.ahead is None:
-            self.start_ahead(step)
-        ahead_step, prompts, future, _ = self.ahead
-        assert ahead_step == step, f"the batch ahead is step {ahead_step}'s, not step {step}'s"
-        self.ahead = None
-        if self.in_flight:  # the sync and the next batch do not wait for this batch's slowest samples
-            self.sync_and_start_next(step, timings, in_flight=True)
-        generated, timings["generate"] = future.result()  # an engine that failed raises here, naming itself
-        samples, stats = self.rollout(step, prompts, generated)  # graded; DAPO's further rounds generated now
-        try:
-            samples, stale = staleness.drop_stale(samples, step - 1, self.max_staleness)
-        except staleness.StaleVersionError as err:  # ends the run like any engine fault: a clear line, exit 1
-            raise EngineError(f"step {step}: {err}") from err
-        if not self.in_flight:
-            self.sync_and_start_next(step, timings, in_flight=False)
-        timings.setdefault("weight_sync", 0.0)
-        return samples, {**stats, **stale, **staleness.token_metrics(samples, step - 1)}
-
-    def take_completed(self, step: int, timings: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
-        """``group_intake=completion``: the engines take the trainer's weights under the groups generating (every
-        step), and the step takes the first ``rollout_batch_size`` groups to complete, graded, with the groups past
-        the staleness bound taken out of the loss."""
-        alg = self.cfg.algorithm
-        if (self.engine_version or 0) != step - 1:
-            t = time.perf_counter()
-            self.sync_weights(version=step - 1, in_flight=True)
-            timings["weight_sync"] = time.perf_counter() - t
-        if not self.stream.started:
-            self.stream_client = RolloutClient.from_config(self.cfg, self.engines.urls, progress=False)
-            self.stream_client.serve_version(self.engine_version or 0)
-            self.live_clients.append(self.stream_client)
-            self.stream.allow(group_draw_limit(self.cfg, self.engine_version or 0))
-            self.stream.start(self.producer.submit)
-        t = time.perf_counter()
-        try:
-            taken = self.stream.take(alg.rollout_batch_size)
-        except GroupFailed as err:  # an engine that failed: the run ends naming it, as in batch intake
-            raise EngineError(f"step {step}: {err}") from err
-        timings["generate"] = time.perf_counter() - t
-        pending = self.stream.pending()
-        n = alg.n_samples_per_prompt
-        # the step's own group numbers, in completion order: advantages are centred per group
-        samples = [dataclasses.replace(s, group=g, index=g * n + j)
-                   for g, (_, group) in enumerate(taken) for j, s in enumerate(group)]
-        samples, stats = self.rollout(step, None, samples)
-        try:
-            samples, stale = staleness.drop_stale(samples, step - 1, self.max_staleness)
-        except staleness.StaleVersionError as err:
-            raise EngineError(f"step {step}: {err}") from err
-        stats[M.GROUPS_PENDING] = float(len(pending))
-        stats[M.GROUPS_OVERTAKING] = float(sum(d.serial > pending[0] for d, _ in taken)) if pending else 0.0
-        timings.setdefault("weight_sync", 0.0)
-        return samples, {**stats, **stale, **staleness.token_metrics(samples, step - 1)}
-
-    async def generate_group(self, drawn: Drawn) -> list[Sample]:
-        """One group of the stream: ``n_samples_per_prompt`` samples of ``drawn.prompt``, seeded by its draw serial
-        (a resumed run generates a pending group with the same seeds), on engine ``serial % engines``."""
-        cfg, prompt = self.cfg, drawn.prompt
-        samples = await self.stream_client.generate(
-            [list(map(int, prompt.prompt_ids))], cfg.algorithm.n_samples_per_prompt, cfg.rollout.sampling,
-            step=drawn.serial, stop_token_ids=[self.tokenizer.eos_token_id], labels=[prompt.label],
-            first_engine=drawn.serial)
-        if aborted := [s.index for s in samples if s.status == SampleStatus.ABORTED]:
-            raise EngineError(f"samples {aborted} of the group were aborted by the engine")
-        return self.traced(samples)
-
-    def sync_and_start_next(self, step: int, timings: dict[str, float], *, in_flight: bool) -> None:
-        """Before the batch of ``step + 1`` starts: the trainer's weights, if that batch would otherwise be trained
-        more than ``max_staleness`` versions after its weights (``in_flight``: under the requests still
-        generating)."""
-        if step >= self.cfg.run.num_steps:
-            return
-        if staleness.must_sync(self.engine_version or 0, step - 1, self.max_staleness):
-            t = time.perf_counter()
-            self.sync_weights(version=step - 1, in_flight=in_flight)
-            timings["weight_sync"] = time.perf_counter() - t
-        self.start_ahead(step + 1)
-
-    def start_ahead(self, step: int) -> None:
-        data_state = self.dataset.state_dict()  # before the batch's prompts are drawn
-        prompts = next(self.batches)
-
-        def generate() -> tuple[list[Sample], float]:
-            t = time.perf_counter()
-            return self.generate(step, prompts), time.perf_counter() - t
-
-        self.ahead = (step, prompts, self.producer.submit(generate), data_state)
-
     def sync_weights(self, version: int, *, in_flight: bool = False) -> None:
-        """The engines take the trainer's weights; between batches, never while a batch generated ahead is in
-        flight (``collect`` and ``before_eval`` wait for it first). In flight, the requests sent from now on carry
-        the new version as their cache salt, the batches still generating included."""
-        if not in_flight and self.ahead is not None and not self.ahead[2].done():
-            raise RuntimeError(f"weight sync to version {version} while the batch of step {self.ahead[0]} is still "
-                               "generating: wait for it first")
+        """The engines take the trainer's weights, when the schedule allows. In flight, the requests sent from now on
+        carry the new version as their cache salt, the batches still generating included."""
+        self.schedule.before_sync(version, in_flight)
         super().sync_weights(version, in_flight=in_flight)
         if self.in_flight:  # every client the recipe owns: the evaluator's too, or an eval point after an in-flight
             # update could be served prefix blocks that older weights computed
             evaluator = [self.evaluator.client] if self.evaluator is not None else []
             for client in [self.client, *self.live_clients, *evaluator]:
                 client.serve_version(version)
-        if self.stream is not None:  # groups drawn from now on come out of the new version
-            self.stream.allow(group_draw_limit(self.cfg, version))
+        self.schedule.after_sync(version)
 
     def data_state(self) -> dict:
-        """The data sampler's state for a checkpoint: from before the prompts of a batch generated ahead; with a
-        stream of groups, after its last draw, with the groups drawn and not yet trained."""
-        if self.stream is not None:
-            return self.stream.state(self.dataset.state_dict)
-        return self.ahead[3] if self.ahead is not None else self.dataset.state_dict()
+        return self.schedule.data_state()
 
     def before_eval(self, step: int) -> None:
-        """Ahead of the trainer, the engines still serve older weights: they finish their batch first (kept for
-        the next step), then take the weights after ``step``."""
-        if self.ahead is not None:
-            wait_quietly(self.ahead[2])
-        if self.producer is not None and (self.engine_version or 0) != step:
-            # a stream of groups generates on: the weights go under its requests
-            self.sync_weights(version=step, in_flight=self.stream is not None and self.stream.started)
+        self.schedule.before_eval(step)
 
     def cleanup(self) -> None:
-        if self.stream is not None:  # its pending groups are in the checkpoint's data state
-            self.stream.close()
-        if self.producer is not None:
-            if self.ahead is not None:  # not in any checkpoint (the data state is from before it): let it go
-                wait_quietly(self.ahead[2])
-                self.ahead = None
-            self.producer.shutdown(wait=True)
+        self.schedule.close()
         super().cleanup()
 
     def rollout(self, step: int, prompts, generated: list[Sample] | None = None
@@ -410,12 +226,8 @@ class GRPORecipe(common.Recipe):
         def one_round(r: int) -> list[Sample]:
             samples = generated if r == 0 and generated is not None else \
                 self.generate(step, prompts if r == 0 else next(self.batches), round_=r)
-            for s in samples:
-                if s.reward is None:  # an environment's own reward stands; else the run's grader, on the answer
-                    # (an episode's last policy turn: observations and tool calls are not the answer)
-                    text = self.tokenizer.decode(s.extra.get("answer_ids", s.response_ids), skip_special_tokens=True)
-                    s.reward = grade(cfg.reward, text, s.label, cfg.data.partial_credit)
-                s.extra["correct"] = float(s.reward >= 1.0)
+            grade_samples(samples, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), cfg.reward,
+                          cfg.data.partial_credit)
             return samples
 
         stats: dict[str, float] = {}
@@ -423,8 +235,7 @@ class GRPORecipe(common.Recipe):
             filled = dapo.fill_with_mixed_groups(one_round, lambda s: s.extra["correct"], alg.rollout_batch_size,
                                                  alg.max_generation_rounds)
             samples = filled.samples
-            stats = {M.FILTERED_GROUPS: float(filled.filtered_groups), M.GENERATION_ROUNDS: float(filled.rounds),
-                     M.PADDED_GROUPS: float(filled.padded_groups)}
+            stats = filled.metrics
             if filled.padded_groups:
                 console.print(f"[yellow]step {step}: {filled.padded_groups} of {alg.rollout_batch_size} groups have "
                               f"equal outcomes after {filled.rounds} generation rounds "
@@ -488,62 +299,12 @@ class GRPORecipe(common.Recipe):
 
     def traced(self, samples: list[Sample]) -> list[Sample]:
         """``debug.route_trace``: each sample's digest as the rollout returned it (``r3rl.route_trace``)."""
-        if self.cfg.debug.route_trace:
-            for s in samples:
-                s.extra["trace_rollout"] = route_trace.sample_hex(s)
-        return samples
+        return route_trace.mark_rollout(samples) if self.cfg.debug.route_trace else samples
 
     def write_trace(self, step: int, samples: list[Sample], replayed) -> None:
         """The step's trace: every sample's digest at each boundary, in ``<run>/trace/step_N.jsonl``."""
-        records = [{"request_id": s.request_id, "index": i, "digests": {
-            "rollout": s.extra.get("trace_rollout"),
-            "batch": route_trace.sample_hex(s),
-            **{boundary: digests[i] for boundary, digests in (replayed.trace or {}).items()}}}
-            for i, s in enumerate(samples)]
-        route_trace.write_step(self.run_dir / route_trace.TRACE_DIR, step, records)
-
-
-def mask_failed_episodes(samples: list[Sample], route_row_bytes: int = 0) -> tuple[list[Sample], dict[str, float]]:
-    """Episodes with a turn that failed twice (aborted, or tokens without all their routes: ``r3rl.env.episodes``)
-    train on nothing, and neither does the rest of their group (its advantages would be centred on a mean that
-    counts them), as ``staleness.drop_stale`` takes groups out; the episodes' counters for the step."""
-    failed = {s.group for s in samples if s.extra["episode"].masked}
-    kept = [dataclasses.replace(s, loss_mask=np.zeros_like(s.loss_mask)) if s.group in failed else s for s in samples]
-    return kept, {**M.episode_metrics([s.extra["episode"] for s in samples], route_row_bytes),
-                  M.EPISODES_MASKED: float(sum(s.group in failed for s in samples))}
-
-
-def version_token_mismatch(samples: list[Sample], trainer_version: int, replayed, unreplayed) -> dict[str, float]:
-    """The mismatch with and without replay over the response tokens the trainer's current weights generated and over
-    those older weights generated (a sample spanning an in-flight update has both), each where there are any."""
-    versions = [staleness.token_versions(s) for s in samples]
-    rollout_lps = [s.rollout_logprobs for s in samples]
-    out = {}
-    for which, keep in (("current", lambda v: v == trainer_version), ("older", lambda v: v < trainer_version)):
-        masks = [s.loss_mask * keep(v) for s, v in zip(samples, versions)]
-        if not any(m.any() for m in masks):
-            continue
-        for key, result in ((M.LOGPROB_ABS_DIFF_VERSION_TOKENS, replayed),
-                            (M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS, unreplayed)):
-            if result is not None:
-                out[key.format(which=which)] = M.logprob_abs_diff(result.logprobs, rollout_lps, masks)
-    return out
-
-
-def wait_quietly(future: Future) -> None:
-    """Wait for ``future`` without raising: its error is raised where its result is used."""
-    try:
-        future.exception()
-    except Exception:  # noqa: BLE001  (cancelled)
-        pass
-
-
-def replay_mismatch_rows(result) -> float:
-    """(token, layer) rows Megatron routed otherwise than the rollout under replay: 0 proves the replay, every step;
-    NaN when the check saw no row (it must never read as a pass)."""
-    if result.replay_mismatch_rows or result.replayed_routes_match:
-        return float(result.replay_mismatch_rows)
-    return float("nan")
+        route_trace.write_step(self.run_dir / route_trace.TRACE_DIR, step,
+                               route_trace.step_records(samples, replayed.trace))
 
 
 def run_recipe(cfg: R3RLConfig) -> None:

@@ -77,6 +77,23 @@ def sample_hex(sample) -> str | None:
     return hex_digest(sample_digest(sample.tokens, sample.routed_experts))
 
 
+def mark_rollout(samples: Sequence) -> Sequence:
+    """Each sample's digest as the rollout returned it, kept on the sample for its step's record."""
+    for s in samples:
+        s.extra["trace_rollout"] = sample_hex(s)
+    return samples
+
+
+def step_records(samples: Sequence, boundaries: dict[str, list[str | None]] | None) -> list[dict]:
+    """A step's records: each sample's digest at the rollout (``mark_rollout``), in the batch as trained, and at
+    each boundary the trainer traced (one digest per sample)."""
+    return [{"request_id": s.request_id, "index": i, "digests": {
+        "rollout": s.extra.get("trace_rollout"),
+        "batch": sample_hex(s),
+        **{boundary: digests[i] for boundary, digests in (boundaries or {}).items()}}}
+        for i, s in enumerate(samples)]
+
+
 def write_step(folder: Path, step: int, records: Sequence[dict]) -> Path:
     """One JSON line per sample: its request id and index, and its digest at every boundary traced."""
     folder.mkdir(parents=True, exist_ok=True)

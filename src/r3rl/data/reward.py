@@ -29,7 +29,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
@@ -251,6 +251,17 @@ def deadline(seconds: float) -> Iterator[None]:
             except GradingTimeout:
                 continue
         signal.signal(signal.SIGALRM, previous)
+
+
+def grade_samples(samples: Sequence, decode: Callable[[Sequence[int]], str], reward: Any,
+                  partial_credit: float = 0.0) -> None:
+    """Each ``Sample``'s ``reward`` where its environment set none: ``grade`` on its answer (an episode's last policy
+    turn, ``extra["answer_ids"]``: observations and tool calls are not the answer); and its raw accuracy
+    ``extra["correct"]`` (a grade of 1: partial credit never reaches it), which dynamic sampling filters on."""
+    for s in samples:
+        if s.reward is None:
+            s.reward = grade(reward, decode(s.extra.get("answer_ids", s.response_ids)), s.label, partial_credit)
+        s.extra["correct"] = float(s.reward >= 1.0)
 
 
 def grade(reward: Any, response_text: str, label: str | int | float, partial_credit: float = 0.0) -> float:

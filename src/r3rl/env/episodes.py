@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from r3rl import metrics as M
 from r3rl.config.schema import SamplingConfig
 from r3rl.env.base import Environment, Turn
 from r3rl.env.stitch import (EpisodeStats, Recomputed, TurnRecord, episode_sample, held_rows_from, recomputed_rows,
@@ -193,3 +195,13 @@ class EpisodeRunner:
             return Turn(observation=f"error: the environment answered {type(answer).__name__}, not a Turn",
                         tool_call=True, tool_error=True)
         return answer
+
+
+def mask_failed_episodes(samples: list[Sample], route_row_bytes: int = 0) -> tuple[list[Sample], dict[str, float]]:
+    """Episodes with a turn that failed twice (aborted, or tokens without all their routes: ``r3rl.env.episodes``)
+    train on nothing, and neither does the rest of their group (its advantages would be centred on a mean that
+    counts them), as ``staleness.drop_stale`` takes groups out; the episodes' counters for the step."""
+    failed = {s.group for s in samples if s.extra["episode"].masked}
+    kept = [dataclasses.replace(s, loss_mask=np.zeros_like(s.loss_mask)) if s.group in failed else s for s in samples]
+    return kept, {**M.episode_metrics([s.extra["episode"] for s in samples], route_row_bytes),
+                  M.EPISODES_MASKED: float(sum(s.group in failed for s in samples))}

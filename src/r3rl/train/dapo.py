@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from r3rl import metrics as M
 from r3rl.sample import Sample
 
 
@@ -49,6 +50,11 @@ class FilledBatch:
     rounds: int  # generation rounds run
     filtered_groups: int  # groups dropped for all-equal raw accuracy
     padded_groups: int  # dropped groups put back because max_rounds ran out (zero advantage)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {M.FILTERED_GROUPS: float(self.filtered_groups), M.GENERATION_ROUNDS: float(self.rounds),
+                M.PADDED_GROUPS: float(self.padded_groups)}
 
 
 def fill_with_mixed_groups(next_round: Callable[[int], list[Sample]], correct: Callable[[Sample], float],

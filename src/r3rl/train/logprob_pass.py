@@ -48,6 +48,14 @@ class LogprobResult:
     def flip_rate(self) -> float:
         return float(np.nanmean(self.flip_per_layer)) if np.isfinite(self.flip_per_layer).any() else float("nan")
 
+    @property
+    def replay_mismatch_figure(self) -> float:
+        """``r3/replay_mismatch_rows``: rows Megatron routed otherwise than the rollout under replay (0 proves the
+        replay, every step); NaN when the check saw no row (it must never read as a pass)."""
+        if self.replay_mismatch_rows or self.replayed_routes_match:
+            return float(self.replay_mismatch_rows)
+        return float("nan")
+
 
 class LogprobPasses(ForwardPasses):
     """No-grad passes of ``MegatronTrainer`` (it mixes this in); also reads its ``routers`` and ``ref_model``."""

@@ -78,6 +78,23 @@ def token_metrics(samples: Sequence[Sample], trainer_version: int) -> dict[str, 
             M.SPANNING_VERSIONS_SHARE: float(np.mean([spans_versions(s) for s in samples])) if samples else 0.0}
 
 
+def version_token_mismatch(samples: list[Sample], trainer_version: int, replayed, unreplayed) -> dict[str, float]:
+    """The mismatch with and without replay over the response tokens the trainer's current weights generated and over
+    those older weights generated (a sample spanning an in-flight update has both), each where there are any."""
+    versions = [token_versions(s) for s in samples]
+    rollout_lps = [s.rollout_logprobs for s in samples]
+    out = {}
+    for which, keep in (("current", lambda v: v == trainer_version), ("older", lambda v: v < trainer_version)):
+        masks = [s.loss_mask * keep(v) for s, v in zip(samples, versions)]
+        if not any(m.any() for m in masks):
+            continue
+        for key, result in ((M.LOGPROB_ABS_DIFF_VERSION_TOKENS, replayed),
+                            (M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS, unreplayed)):
+            if result is not None:
+                out[key.format(which=which)] = M.logprob_abs_diff(result.logprobs, rollout_lps, masks)
+    return out
+
+
 def must_sync(engine_version: int, trainer_version: int, max_staleness: int) -> bool:
     """Whether the engines need the trainer's weights before they start the next batch: that batch is trained one
     version later than now (after this step's update), and must not come out more than ``max_staleness`` old."""

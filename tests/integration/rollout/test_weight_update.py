@@ -104,7 +104,7 @@ def test_a_request_spanning_an_in_flight_update_keeps_each_row_of_the_forward_th
     from r3rl import metrics as M
     from r3rl.train.staleness import token_metrics
     from r3rl.train.logprob_pass import LogprobResult
-    from recipes.grpo import version_token_mismatch
+    from r3rl.train.staleness import version_token_mismatch
 
     url = r3_engine.url
     new_dir = perturbed_checkpoint(tiny_model_dir, tmp_path / "new")

@@ -10,6 +10,7 @@ import pytest
 
 from recipes import common
 from recipes.grpo import GRPORecipe
+from recipes.schedule import InFlight, OneStepAhead
 
 
 class Client:
@@ -25,26 +26,28 @@ def bare_recipe(monkeypatch, synced: list, *, in_flight: bool) -> GRPORecipe:
                         lambda self, version, in_flight=False: synced.append((version, in_flight)))
     recipe = GRPORecipe.__new__(GRPORecipe)  # only the attributes the guard reads: no engine, no trainer
     recipe.in_flight = in_flight
-    recipe.stream = None  # batch intake
+    schedule = (InFlight if in_flight else OneStepAhead).__new__(InFlight if in_flight else OneStepAhead)
+    schedule.recipe, schedule.ahead = recipe, None  # no producer: the test sets the batch ahead itself
+    recipe.schedule = schedule
     recipe.client, recipe.live_clients = Client(), [Client()]
     recipe.evaluator = SimpleNamespace(client=Client())
     return recipe
 
 
 def test_a_sync_while_the_batch_ahead_generates_is_refused_and_one_after_it_goes_through(monkeypatch):
-    """The guard runs before anything touches an engine. Fails if ``GRPORecipe.sync_weights`` lost its check (a
+    """The guard runs before anything touches an engine. Fails if ``GRPORecipe.sync_weights`` or ``OneStepAhead.before_sync`` lost its check (a
     sync during generation would label tokens of two weight versions as one), or if it refused a sync once the
     batch ahead is done (the in-turn path and ``before_eval`` sync then)."""
     synced = []
     recipe = bare_recipe(monkeypatch, synced, in_flight=False)
     running: Future = Future()
-    recipe.ahead = (5, [], running, {})
+    recipe.schedule.ahead = (5, [], running, {})
     with pytest.raises(RuntimeError, match="batch of step 5 is still generating"):
         recipe.sync_weights(version=4)
     assert synced == []
     running.set_result(([], 0.0))
     recipe.sync_weights(version=4)
-    recipe.ahead = None
+    recipe.schedule.ahead = None
     recipe.sync_weights(version=5)
     assert synced == [(4, False), (5, False)]
     assert recipe.client.versions == [] and recipe.live_clients[0].versions == []  # no salts between batches
@@ -57,7 +60,7 @@ def test_an_in_flight_sync_goes_under_the_batch_ahead_and_every_live_client_take
     weights computed: issue 58; that a salted request never reuses them is test_weight_update.py's)."""
     synced = []
     recipe = bare_recipe(monkeypatch, synced, in_flight=True)
-    recipe.ahead = (5, [], Future(), {})
+    recipe.schedule.ahead = (5, [], Future(), {})
     recipe.sync_weights(version=4, in_flight=True)
     assert synced == [(4, True)]
     assert recipe.client.versions == [4] and recipe.live_clients[0].versions == [4]

@@ -1,4 +1,4 @@
-"""The recipe's mismatch split by the weight version that generated each token (``recipes.grpo
+"""The mismatch split by the weight version that generated each token (``r3rl.train.staleness
 .version_token_mismatch``), for runs that train on samples of older weights."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from r3rl import metrics as M
 from r3rl.sample import Sample, SampleStatus
 from r3rl.train.logprob_pass import LogprobResult
-from recipes.grpo import version_token_mismatch
+from r3rl.train.staleness import version_token_mismatch
 
 
 def sample(index: int, spans: list[tuple[str, int, int]]) -> Sample:
