@@ -72,7 +72,7 @@ run: venv
 
 # the run's stack checked against the R3 contract before a long run (ARGS: the run's overrides)
 doctor: venv
-	$(VENV)/bin/python -m r3rl.doctor $(ARGS)
+	$(VENV)/bin/python doctor.py $(ARGS)
 
 test: venv venv-trainer
 	$(VENV)/bin/python -m pytest $(TEST_ARGS)

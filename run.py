@@ -59,9 +59,30 @@ def settle_before_start(argv: list[str]) -> None:
         sys.exit(0)
 
 
+def launch(cfg) -> None:
+    """Start ``recipes/<recipe.name>.py`` on the validated ``cfg``, on a machine that can run its layout."""
+    import importlib
+
+    from r3rl.launch import check_machine
+    from r3rl.platform import visible_gpu_count
+
+    problem = check_machine(cfg, visible_gpu_count())
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    name = cfg.recipe.name  # validated: grpo or sft
+    try:
+        module = importlib.import_module(f"recipes.{name}")
+    except ImportError as err:
+        print(f"error: the {name} recipe (recipes/{name}.py) cannot be imported ({err}); "
+              "inspect the launch with run.dry_run=true", file=sys.stderr)
+        sys.exit(2)
+    module.run_recipe(cfg)
+
+
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(raw: DictConfig) -> None:
-    from r3rl.launch import dry_run, launch
+    from r3rl.launch import dry_run
 
     try:
         cfg = preflight(load_config(raw), launching=not raw.run.dry_run)

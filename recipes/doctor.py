@@ -1,4 +1,4 @@
-"""``python -m r3rl.doctor``: the run's own stack, started briefly, checked against the R3 contract.
+"""``python doctor.py``: the run's own stack, started briefly, checked against the R3 contract.
 
 The doctor is the GRPO recipe's setup (Ray, the trainer ranks in the configured layout, the engines launched or
 attached, the weight sync), then one batch of the run's own prompts through it, then the checks of
@@ -118,7 +118,7 @@ class Doctor(GRPORecipe):
 
     def trace_check(self, samples, replayed) -> Check:
         """The doctor's batch traced as a run traces a step (``<doctor folder>/trace``), read back as
-        ``python -m r3rl.doctor --trace`` reads a run's; the control: its routes replayed one row off."""
+        ``python doctor.py --trace`` reads a run's; the control: its routes replayed one row off."""
         folder = self.run_dir / route_trace.TRACE_DIR
         self.write_trace(DOCTOR_STEP, samples, replayed)
         shifted_samples = C.shifted_routes(samples)

@@ -1,4 +1,5 @@
-"""What ``run.py`` does with a validated config: print the plan, or check the inputs and start the recipe."""
+"""What ``run.py`` and ``doctor.py`` check before a recipe starts: the launch plan of a dry run, and whether this machine
+can run the layout at all. Starting the recipe is ``run.py``'s own (the library never imports ``recipes/``)."""
 
 from __future__ import annotations
 
@@ -43,22 +44,3 @@ def check_machine(cfg: R3RLConfig, gpus: int) -> str | None:
         return (f"parallelism={par.name} needs GPUs and none are visible here; use parallelism=cpu on a machine "
                 "without GPUs, or attach to a GPU cluster with ray.address=auto")
     return None
-
-
-def launch(cfg: R3RLConfig) -> None:
-    from r3rl.platform import visible_gpu_count
-
-    problem = check_machine(cfg, visible_gpu_count())
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    import importlib
-
-    name = cfg.recipe.name  # validated: grpo or sft
-    try:
-        module = importlib.import_module(f"recipes.{name}")
-    except ImportError as err:
-        print(f"error: the {name} recipe (recipes/{name}.py) cannot be imported ({err}); "
-              "inspect the launch with run.dry_run=true", file=sys.stderr)
-        sys.exit(2)
-    module.run_recipe(cfg)

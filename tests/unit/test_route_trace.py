@@ -1,14 +1,17 @@
-"""The route trace's digests and its reader (``r3rl.route_trace``, ``python -m r3rl.doctor --trace``); the real
+"""The route trace's digests and its reader (``r3rl.route_trace``, ``python doctor.py --trace``); the real
 stack's trace is checked in tests/integration/recipe/test_multiturn_recipe.py and test_doctor.py."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from r3rl import route_trace as T
+
+DOCTOR = str(Path(__file__).resolve().parents[2] / "doctor.py")
 
 
 def routes_and_tokens(rows: int = 12, layers: int = 3, k: int = 2, seed: int = 0):
@@ -50,9 +53,9 @@ def test_the_reader_names_the_first_boundary_where_a_sample_changed(tmp_path):
     assert (report.steps, report.samples, report.boundaries) == (2, 3, T.BOUNDARIES)
     (found,) = report.breaks
     assert (found.step, found.request_id, found.before, found.boundary) == (2, "c", "batch", "trainer input")
-    out = subprocess.run([sys.executable, "-m", "r3rl.doctor", "--trace", str(tmp_path)], capture_output=True,
+    out = subprocess.run([sys.executable, DOCTOR, "--trace", str(tmp_path)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 1 and "sample c" in out.stdout and "'batch' and 'trainer input'" in out.stdout, out
-    empty = subprocess.run([sys.executable, "-m", "r3rl.doctor", "--trace", str(tmp_path / "none")],
+    empty = subprocess.run([sys.executable, DOCTOR, "--trace", str(tmp_path / "none")],
                            capture_output=True, text=True, timeout=120)
     assert empty.returncode == 2 and "no trace" in empty.stderr

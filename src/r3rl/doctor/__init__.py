@@ -1,1 +1,1 @@
-"""``python -m r3rl.doctor``: proves R3 holds on the user's own stack before a long run (``recipes/doctor.py``)."""
+"""``python doctor.py``: proves R3 holds on the user's own stack before a long run (``recipes/doctor.py``)."""

@@ -1,4 +1,4 @@
-"""``python -m r3rl.doctor --slice``: the run's model cut to 2 layers, with random weights of its shape, checked on
+"""``python doctor.py --slice``: the run's model cut to 2 layers, with random weights of its shape, checked on
 the run's own layout in minutes, a go/no-go before a long run.
 
 The slice keeps what R3 depends on (experts, top-k, the router's normalisation, the attention layout, on GPUs the

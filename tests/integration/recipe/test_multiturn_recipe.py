@@ -54,11 +54,12 @@ def test_episodes_train_with_replay_and_resume_without_losing_a_step(calculator_
 
 
 def test_the_route_trace_of_every_step_is_identical_at_every_boundary(calculator_run):
-    """``python -m r3rl.doctor --trace`` on the run's trace (episodes generated ahead in the producer thread, routes
+    """``python doctor.py --trace`` on the run's trace (episodes generated ahead in the producer thread, routes
     stitched across turns, a resume between steps 2 and 3). Fails if a step was not traced, if a boundary's digest
     was missing, or if a sample's tokens or routes changed between the rollout and the routing Megatron used."""
     import subprocess
     import sys
+    from pathlib import Path
 
     from r3rl.route_trace import check
 
@@ -66,6 +67,6 @@ def test_the_route_trace_of_every_step_is_identical_at_every_boundary(calculator
     report = check(run_dir / "trace")
     assert report.steps == 3 and report.samples == 3 * 16
     assert report.boundaries == ("rollout", "batch", "trainer input", "router") and not report.breaks
-    out = subprocess.run([sys.executable, "-m", "r3rl.doctor", "--trace", str(run_dir / "trace")],
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[3] / "doctor.py"), "--trace", str(run_dir / "trace")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "every sample identical at every boundary" in out.stdout, out.stdout + out.stderr

@@ -1,12 +1,16 @@
-"""``python -m r3rl.doctor [the run's Hydra overrides]``: start the run's stack briefly and check the R3 contract on
+"""``python doctor.py [the run's Hydra overrides]``: start the run's stack briefly and check the R3 contract on
 it (``recipes/doctor.py``); a table, ``doctor.json`` and ``doctor.md`` in ``<run.output_dir>/doctor``; exit 1 when
 a check failed, 2 when the config is refused (before anything starts).
 
-``python -m r3rl.doctor --slice [overrides]``: the same on the run's model cut to 2 layers of random weights
+``python doctor.py --slice [overrides]``: the same on the run's model cut to 2 layers of random weights
 (``r3rl.doctor.slice``), a go/no-go in minutes.
 
-``python -m r3rl.doctor --trace <run folder>/trace``: a run's route trace (``debug.route_trace``) read back, naming
-the first boundary where a sample's tokens or routes changed."""
+``python doctor.py --trace <run folder>/trace``: a run's route trace (``debug.route_trace``) read back, naming
+the first boundary where a sample's tokens or routes changed.
+
+It sits beside ``run.py`` for the same reason: both start a recipe, and the library under ``src/`` never imports
+``recipes/`` (docs/development.md).
+"""
 
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ from rich.console import Console
 from r3rl.config import ConfigError, compose, register_configs
 from r3rl.config.modes import replay_mode
 from r3rl.config.schema import freeze
-from r3rl.launch import check_machine
 from r3rl.doctor.slice import with_slice
+from r3rl.launch import check_machine
 from r3rl.platform import visible_gpu_count, with_default_parallelism
 from r3rl.preflight import preflight
 
@@ -73,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = args[1:]
     if args[:1] == ["--trace"]:
         if len(args) != 2:
-            print("usage: python -m r3rl.doctor --trace <run folder>/trace", file=sys.stderr)
+            print("usage: python doctor.py --trace <run folder>/trace", file=sys.stderr)
             return 2
         return check_trace(Path(args[1]), Console(width=160))
     register_configs()
@@ -86,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recipes.doctor import run_doctor
 
     results = run_doctor(cfg)
-    command = shlex.join(["python", "-m", "r3rl.doctor", *(["--slice"] if cut else []), *args])
+    command = shlex.join(["python", "doctor.py", *(["--slice"] if cut else []), *args])
     return write(results, Path(cfg.run.output_dir), command, Console(width=160))
 
 
