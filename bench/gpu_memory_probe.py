@@ -242,7 +242,7 @@ def run_step(cfg, meter, packed: bool = False) -> Measured:
     from megatron.core import tensor_parallel
     from megatron.core.distributed import finalize_model_grads
 
-    from r3rl.train import cpu_compat, distributed, grpo, optim
+    from r3rl.train import distributed, grpo, hardware, optim
     from r3rl.train import model as model_lib
 
     t = cfg.parallelism.trainer
@@ -278,7 +278,7 @@ def run_step(cfg, meter, packed: bool = False) -> Measured:
         position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(samples, seq)
         advantages = torch.linspace(-1, 1, samples * seq, device=device).view(samples, seq)
         loss_mask = torch.ones(samples, seq, device=device)
-        mask, forward_kwargs = cpu_compat.attention_mask(seq, device), {}
+        mask, forward_kwargs = hardware.attention_mask(seq, device), {}
         if packed:
             from megatron.core.packed_seq_params import PackedSeqParams
 

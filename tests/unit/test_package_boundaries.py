@@ -8,6 +8,11 @@ import that crosses one fails here rather than in a review.
   checks that read data, eval sets or checkpoints, build the environment or plan memory live in ``r3rl.preflight``.
 - ``r3rl.env`` drives episodes over the rollout client and knows neither the trainer nor the weight sync.
 - ``r3rl.sync``'s engine side (what vLLM's worker imports) pulls in neither the trainer nor the rollout client.
+- The library under ``src/`` never imports ``recipes/``: the recipes and the scripts that start them (``run.py``,
+  ``doctor.py``) sit above it, beside ``conf/``.
+- What exists only because there is no GPU sits in ``r3rl.cpu_only`` and is imported by nothing at module level:
+  only ``r3rl.train.hardware`` and the engine worker's ``r3rl.sync.worker_extension``, inside functions that run
+  without CUDA (``tests/unit/train/test_train_cpu_compat.py`` proves it stays unimported with CUDA present).
 """
 
 from __future__ import annotations
@@ -94,3 +99,68 @@ def test_no_two_modules_import_each_other():
     graph = module_graph()
     circles = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps if a in graph.get(b, ())})
     assert not circles, circles
+
+
+def imported_names(tree: ast.AST) -> set[str]:
+    """Modules a parsed file imports by statement, or by ``importlib.import_module`` with a literal or f-string
+    whose start is literal."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+                arg = arg.values[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.add(arg.value)
+    return found
+
+
+def test_the_library_never_imports_the_recipes():
+    """``python -m r3rl.doctor`` imported ``recipes.doctor`` and ``r3rl.launch`` imported ``recipes.<name>``, so the
+    library ran only with the checkout's root on ``sys.path``. Fails if any module under ``src/`` imports
+    ``recipes`` again, by statement (at any depth) or through ``importlib.import_module("recipes...")``."""
+    offenders = {str(p.relative_to(SRC)): sorted(m for m in imported_names(ast.parse(p.read_text()))
+                                                 if m == "recipes" or m.startswith("recipes."))
+                 for p in sorted(SRC.rglob("*.py"))}
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_the_scan_sees_an_import_of_the_recipes():
+    """The control of the rule above: each form of import it must catch is caught."""
+    for source in ("import recipes.grpo", "from recipes.doctor import run_doctor",
+                   "def f():\n    from recipes import common", "importlib.import_module(f'recipes.{name}')"):
+        assert any(m.startswith("recipes") for m in imported_names(ast.parse(source))), source
+
+
+def room_imports(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The ``r3rl.cpu_only`` modules a parsed file imports at module level, and at any depth."""
+    top = imported_names(ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
+                                    type_ignores=[]))
+    room = lambda names: {m for m in names if m.startswith("r3rl.cpu_only")}  # noqa: E731
+    return room(top), room(imported_names(tree))
+
+
+def test_cpu_only_code_is_imported_only_inside_functions_of_its_two_doors():
+    """Fails if a module imports ``r3rl.cpu_only`` at module level (it would load on a GPU too), or if a module other
+    than the trainer's hardware seam and the engine worker's extension imports it at all."""
+    doors = {"train/hardware.py", "sync/worker_extension.py"}
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = str(path.relative_to(SRC))
+        if rel.startswith("cpu_only/"):
+            continue
+        top, every = room_imports(ast.parse(path.read_text()))
+        if top or (rel not in doors and every):
+            found[rel] = sorted(every)
+    assert not found, found
+    assert all(room_imports(ast.parse((SRC / d).read_text()))[1] for d in doors), "a door no longer imports the room"
+
+
+def test_the_scan_sees_an_import_of_the_room_at_module_level():
+    """The control of the rule above: a module-level import is caught, one inside a function is told apart."""
+    assert room_imports(ast.parse("from r3rl.cpu_only import megatron"))[0] == {"r3rl.cpu_only"}
+    assert room_imports(ast.parse("def f():\n    from r3rl.cpu_only import megatron")) == (set(), {"r3rl.cpu_only"})

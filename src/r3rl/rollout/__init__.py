@@ -2,5 +2,5 @@
 validation, the CPU profile's sampling kernels, and rollout files (weight sync is ``r3rl.sync``).
 
 Submodules are imported on use (``from r3rl.rollout.client import RolloutClient``): the vLLM worker process imports
-``r3rl.rollout.mrv2_cpu_kernels`` and must not pay for (or depend on) the client side.
+``r3rl.cpu_only.vllm_mrv2_kernels`` and must not pay for (or depend on) the client side.
 """

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pybase64
 
-from r3rl.rollout import _kernels
+from r3rl.rollout import route_scan
 from r3rl.sample import routes_dtype
 
 _NPY_MAGIC = b"\x93NUMPY"
@@ -156,7 +156,7 @@ def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_in
         arr = arr.astype(spec.dtype)
     if rows == 0:
         return arr
-    layer_max, has_duplicate = _kernels.scan_routes(arr)
+    layer_max, has_duplicate = route_scan.scan_routes(arr)
     if topk > 1:
         # K > 1 distinct ids cannot all be 0: an all-zero layer means the capture never ran for it
         zero_layers = np.flatnonzero(layer_max == 0).tolist()
@@ -167,7 +167,7 @@ def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_in
     if int(layer_max.max()) >= spec.num_experts:
         _raise_out_of_range(arr, spec, fail)
     if has_duplicate:
-        flat_row = _kernels.first_duplicate_row(arr.reshape(-1, topk))
+        flat_row = route_scan.first_duplicate_row(arr.reshape(-1, topk))
         row, layer = divmod(flat_row, layers)
         raise fail("repeat an expert within a row", f"{topk} distinct ids per (token, layer)",
                    f"{arr[row, layer].tolist()} at token row {row}, layer {layer}")

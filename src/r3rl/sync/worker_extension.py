@@ -8,8 +8,8 @@ Reached through ``POST /collective_rpc {"method": "r3rl_update_weights_from_hf",
 nothing of r3rl's client side, so the worker does not load it.
 
 vLLM imports this module in the worker before it builds the worker and its model runner, which makes it the place
-where the CPU profile swaps Model Runner V2's interpreted Triton kernels for torch (``mrv2_cpu_kernels``; only when
-the engine's environment asks for it).
+where the CPU profile swaps Model Runner V2's interpreted Triton kernels for torch
+(``r3rl.cpu_only.vllm_mrv2_kernels``): imported only when the engine's environment asks for it, never on a GPU.
 """
 
 from __future__ import annotations
@@ -19,10 +19,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from r3rl.rollout import mrv2_cpu_kernels
 from r3rl.sync.cpu_experts import MoERepack
 
-mrv2_cpu_kernels.install_from_env()
+# set by r3rl.plan.cpu_engine_env on the CPU profile's engines only
+CPU_STAND_INS_FLAG = "R3RL_MRV2_TORCH_KERNELS"
+
+
+def _cpu_stand_ins():
+    """The CPU profile's MRv2 stand-ins, installed (once per process), or None where the engine does not ask."""
+    if os.environ.get(CPU_STAND_INS_FLAG) != "1":
+        return None
+    from r3rl.cpu_only import vllm_mrv2_kernels
+
+    vllm_mrv2_kernels.install()  # refuses where CUDA is available
+    return vllm_mrv2_kernels
+
+
+_cpu_stand_ins()
 
 
 def _iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, Any]]:
@@ -72,10 +85,11 @@ class R3RLWorkerExtension:
         import torch
 
         return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
-                "stand_ins": mrv2_cpu_kernels.installed()}
+                "stand_ins": kernels.installed() if (kernels := _cpu_stand_ins()) else []}
 
     def r3rl_interpreter_clock(self, start: bool) -> dict[str, Any]:
         """``start``: clock Triton's interpreter from now on; else what it ran since (``bench/cpu_rollout.py``)."""
+        clock = _cpu_stand_ins().interpreter_clock
         if start:
-            mrv2_cpu_kernels.interpreter_clock.start()
-        return mrv2_cpu_kernels.interpreter_clock.read()
+            clock.start()
+        return clock.read()

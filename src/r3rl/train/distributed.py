@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from r3rl.train import cpu_compat
+from r3rl.train import hardware
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ _STORE: torch.distributed.TCPStore | None = None  # rank 0's rendezvous, listeni
 
 
 def _device() -> torch.device:
-    if cpu_compat.cuda_available():
+    if hardware.cuda_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         # Ray gives each actor its own CUDA_VISIBLE_DEVICES, so the local index is 0 there
         local = local if local < torch.cuda.device_count() else 0
@@ -76,7 +76,7 @@ def rendezvous_env(rank: int, world_size: int, master_addr: str, master_port: in
 def init(layout: Layout, seed: int, timeout_minutes: int = 30) -> RankInfo:
     """Join (or start) the process group and Megatron's model-parallel groups; seed Megatron's RNG streams."""
     global _USERS, _LAYOUT, _OWNS_PROCESS_GROUP
-    cpu_compat.apply_if_needed()  # first: Megatron's imports warn about TE/Apex, which the CPU profile expects
+    hardware.apply_if_needed()  # first: Megatron's imports warn about TE/Apex, which the CPU profile expects
     from megatron.core import parallel_state as ps
 
     device = _device()
@@ -95,7 +95,7 @@ def init(layout: Layout, seed: int, timeout_minutes: int = 30) -> RankInfo:
         _OWNS_PROCESS_GROUP = True
     world = torch.distributed.get_world_size()
     if not ps.model_parallel_is_initialized():
-        cpu_compat.check_supported(layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel)
+        hardware.check_supported(layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel)
         model_parallel = layout.tensor_parallel * layout.pipeline_parallel * layout.context_parallel
         expert_model_parallel = layout.expert_parallel * layout.expert_tensor_parallel * layout.pipeline_parallel
         if world % model_parallel or world % expert_model_parallel:
@@ -128,9 +128,7 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
     tp, ep, etp = (ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
                    ps.get_expert_tensor_parallel_rank())
-    if cpu_compat.is_active():
-        cpu_compat.seed_rng_tracker(seed, tp, ep, etp)
-    else:
+    if not hardware.seed_rng_tracker(seed, tp, ep, etp):
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from r3rl.sample import Sample
-from r3rl.train import collect, cpu_compat
+from r3rl.train import collect, hardware
 from r3rl.train.batch import MicroBatch, build_micro_batch, plan_micro_batches, plan_packed_micro_batches, \
     plan_token_micro_batches
 from r3rl.train.replay import ProbeCounts, RouteProbe
@@ -83,7 +83,7 @@ class ForwardPasses:
             if mb.packed:
                 output = model(mb.tokens, mb.position_ids, None, packed_seq_params=self._packed_seq_params(mb))
             else:
-                output = model(mb.tokens, mb.position_ids, cpu_compat.attention_mask(mb.tokens.shape[1], self.device))
+                output = model(mb.tokens, mb.position_ids, hardware.attention_mask(mb.tokens.shape[1], self.device))
         finally:
             if replay:
                 self.replay.after_forward(backward_follows=backward_follows)

@@ -16,7 +16,7 @@ import torch
 from r3rl.config.schema import R3RLConfig
 from r3rl.config.modes import resolve_dtype
 from r3rl.plan import megatron_config
-from r3rl.train import cpu_compat, te_fallback
+from r3rl.train import hardware, te_fallback
 
 # Keys of plan.megatron_config that belong to GPTModel / DDP rather than TransformerConfig.
 MODEL_KEYS = ("vocab_size", "max_sequence_length", "untie_embeddings_and_output_weights", "rotary_base")
@@ -42,7 +42,7 @@ def model_settings(cfg: R3RLConfig, *, replay: bool | None = None) -> ModelSetti
     reference model, which must never replay rollout routes: pitfall P12)."""
     dtype_name = resolve_dtype(cfg.trainer.params_dtype, cfg.parallelism.device)
     raw = megatron_config(cfg, dtype_name)
-    raw.update(cpu_compat.transformer_overrides())
+    raw.update(hardware.transformer_overrides())
     raw = te_fallback.drop_missing_kernels(raw)
     if replay is not None:
         raw["moe_enable_routing_replay"] = replay
@@ -91,7 +91,7 @@ def transformer_config(settings: ModelSettings):
 def layer_spec(config):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if gpt_layer_specs.HAVE_TE and not cpu_compat.is_active():
+    if gpt_layer_specs.HAVE_TE and not hardware.cpu_active():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(

@@ -1,4 +1,4 @@
-"""The optimizer behind the trainer: Megatron's (distributed) optimizer, or the CPU compat AdamW over ``main_grad``
+"""The optimizer behind the trainer: Megatron's (distributed) optimizer, or the CPU's AdamW over ``main_grad`` (``r3rl.cpu_only.megatron``)
 for a CPU run without the distributed optimizer (the CPU profile's one rank).
 
 Both expose ``step() -> (ok, grad_norm)``, ``zero_grad()``, ``set_lr()``, and their state for a checkpoint
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from r3rl.config.schema import R3RLConfig
-from r3rl.train import cpu_compat, te_fallback
+from r3rl.train import hardware, te_fallback
 
 
 class Optimizer(Protocol):
@@ -59,42 +59,10 @@ def lr_at(step: int, total: int, lr: float, min_lr: float) -> float:
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-class CpuOptimizer:
-    def __init__(self, inner: cpu_compat.MainGradAdam):
-        self.inner = inner
-
-    def step(self) -> tuple[bool, float]:
-        return self.inner.step()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.inner.param_groups:
-            group["lr"] = lr
-
-    @property
-    def stepped(self) -> bool:
-        return bool(self.inner.optimizer.state)
-
-    @property
-    def adam_step(self) -> int:
-        return self.inner.adam_step
-
-    def sharded_state_dict(self, model_state: dict, is_loading: bool, metadata: dict) -> dict:
-        return self.inner.sharded_state_dict(model_state)
-
-    def load_sharded_state_dict(self, tensors: dict, adam_step: int) -> None:
-        self.inner.load_sharded_state_dict(tensors, adam_step)
-
-    def reset_state(self) -> None:
-        self.inner.optimizer.state.clear()  # torch's AdamW starts every parameter afresh at its next step
-
-
 class MegatronOptimizer:
     """Megatron's (distributed) optimizer; its step reduces the grad norm over the right groups itself.
 
-    Every call runs in ``cpu_compat.megatron_optimizer_scope()`` (a no-op on GPUs), so CI runs this same optimizer
+    Every call runs in ``hardware.optimizer_scope()`` (a no-op on GPUs), so CI runs this same optimizer
     on a CPU.
     """
 
@@ -103,12 +71,12 @@ class MegatronOptimizer:
         self._loading: dict | None = None
 
     def step(self) -> tuple[bool, float]:
-        with cpu_compat.megatron_optimizer_scope():
+        with hardware.optimizer_scope():
             ok, grad_norm, _ = self.inner.step()
         return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
 
     def zero_grad(self) -> None:
-        with cpu_compat.megatron_optimizer_scope():
+        with hardware.optimizer_scope():
             self.inner.zero_grad()
 
     def set_lr(self, lr: float) -> None:
@@ -126,7 +94,7 @@ class MegatronOptimizer:
     @property
     def adam_step(self) -> int:
         steps = set()
-        with cpu_compat.megatron_optimizer_scope():
+        with hardware.optimizer_scope():
             for part in self._parts():
                 inner = part.state_dict()["optimizer"]
                 # the distributed optimizer and TE's FusedAdam keep it in the param groups, torch's Adam per parameter
@@ -138,7 +106,7 @@ class MegatronOptimizer:
     def sharded_state_dict(self, model_state: dict, is_loading: bool, metadata: dict) -> dict:
         # inside the scope: the fully reshardable gather allocates on "the device"; no_grad: loading copies into main
         # parameters that are views of the model's float32 ones, which require grad
-        with cpu_compat.megatron_optimizer_scope(), torch.no_grad():
+        with hardware.optimizer_scope(), torch.no_grad():
             if is_loading and not self.stepped:
                 for part in self._parts():
                     _allocate_state(part)
@@ -156,7 +124,7 @@ class MegatronOptimizer:
         numbered = iter(range(len(tensors)))  # in the order _flat numbered them
         dict_list_map_inplace(lambda v: tensors[next(numbered)] if isinstance(v, ShardedBase) else v, full)
         dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, full)
-        with cpu_compat.megatron_optimizer_scope(), torch.no_grad():
+        with hardware.optimizer_scope(), torch.no_grad():
             for part, saved in zip(self._parts(), _parts_of(full)):
                 if "param_state" in saved:
                     _load_distributed(part, saved, adam_step)
@@ -214,17 +182,17 @@ def _allocate_state(part) -> None:
 
 def build_optimizer(cfg: R3RLConfig, ddp_model, dtype: torch.dtype, use_distributed_optimizer: bool) -> Optimizer:
     tr = cfg.trainer
-    if cpu_compat.is_active() and not use_distributed_optimizer:
+    if hardware.cpu_active() and not use_distributed_optimizer:
         from megatron.core import parallel_state as ps
 
-        return CpuOptimizer(cpu_compat.MainGradAdam(
+        return hardware.cpu_optimizer(
             ddp_model.parameters(), lr=tr.lr, betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_eps,
             weight_decay=tr.weight_decay, clip_grad=tr.clip_grad,
             dense_norm_group=ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1
             else None,
             expert_norm_group=ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1
             else None,
-        ))
+        )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from r3rl.plan import optimizer_config
@@ -234,6 +202,6 @@ def build_optimizer(cfg: R3RLConfig, ddp_model, dtype: torch.dtype, use_distribu
     settings.update(params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer)
     settings = te_fallback.drop_missing_optimizer_options(settings)
     # gloo groups hold the distributed optimizer's sharded-state gathers for checkpoints (r3rl.train.distributed)
-    with cpu_compat.megatron_optimizer_scope():
+    with hardware.optimizer_scope():
         return MegatronOptimizer(get_megatron_optimizer(OptimizerConfig(**settings), [ddp_model],
                                                         use_gloo_process_groups=True))

@@ -61,9 +61,9 @@ def one_gpu(batch, tmp_path_factory, tiny_model_dir):
 
 
 def test_single_gpu_uses_megatron_unpatched(one_gpu, batch):
-    from r3rl.train import cpu_compat
+    from r3rl.train import hardware
 
-    assert cpu_compat.apply_if_needed() is False and not cpu_compat.is_active()
+    assert hardware.apply_if_needed() is False and not hardware.cpu_active()
     assert one_gpu["match"] is True and np.isfinite(one_gpu["metrics"]["loss"])
 
 

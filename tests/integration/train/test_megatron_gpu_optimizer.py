@@ -42,12 +42,12 @@ def make(*overrides: str):
 def test_distributed_optimizer_with_cpu_offload_steps_and_resumes(batch, tmp_path, tiny_model_dir, sharding):
     """The GPU optimizer (hybrid CPU offload, precision-aware: the float32 masters live in its state) through both
     of Megatron's checkpoint formats r3rl writes, on one GPU: the step after a load equals the step straight on."""
-    from r3rl.train import cpu_compat, te_fallback
+    from r3rl.train import hardware, te_fallback
 
     samples, adv = batch
     trainer = make(f"trainer.checkpoint.sharding={sharding}")
     try:
-        assert not cpu_compat.is_active() and trainer.device.type == "cuda"
+        assert not hardware.cpu_active() and trainer.device.type == "cuda"
         parts = trainer.optimizer._parts()
         assert [type(p).__name__ for p in parts] == ["DistributedOptimizer"] * len(parts)
         hybrid = parts[0].optimizer

@@ -26,7 +26,7 @@ def test_r3_engine_argv_has_what_routed_experts_need(compose_cfg):
     assert argv[argv.index("--worker-extension-cls") + 1] == "r3rl.sync.worker_extension.R3RLWorkerExtension"
     assert engine.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert engine.env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and engine.env["TRITON_INTERPRET"] == "1"
-    # the worker swaps MRv2's per-step kernels for torch (r3rl.rollout.mrv2_cpu_kernels), only on the CPU profile
+    # the worker swaps MRv2's per-step kernels for torch (r3rl.cpu_only.vllm_mrv2_kernels), only on the CPU profile
     assert engine.env["R3RL_MRV2_TORCH_KERNELS"] == "1"
     # rollout.engine.cpu_threads (1 on the CPU scale) reaches torch through OMP_NUM_THREADS; unset: torch's default
     assert engine.env["OMP_NUM_THREADS"] == "1"

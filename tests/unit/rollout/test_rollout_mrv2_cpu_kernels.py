@@ -24,7 +24,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 vllm_triton = pytest.importorskip("vllm.triton_utils")
 from vllm.triton_utils.dispatcher import KernelOverride  # noqa: E402
 
-from r3rl.rollout import mrv2_cpu_kernels as K  # noqa: E402
+from r3rl.cpu_only import vllm_mrv2_kernels as K  # noqa: E402
 
 MAX_REQS = 32
 
@@ -404,9 +404,12 @@ def test_compute_slot_mappings_matches_the_interpreter(cpu_uva):
 
 def test_install_refuses_a_gpu_and_is_off_without_the_flag(monkeypatch):
     """The stand-ins are CPU-only: with CUDA present ``install`` raises, and without R3RL_MRV2_TORCH_KERNELS=1
-    ``install_from_env`` installs nothing. Fails if the guard were dropped (a GPU engine would sample on the CPU)."""
-    monkeypatch.delenv(K.ENV_FLAG, raising=False)
-    assert K.install_from_env() is False
+    the engine worker's extension neither imports nor installs them. Fails if the guard were dropped (a GPU engine
+    would sample on the CPU) or if the worker installed them without the flag."""
+    from r3rl.sync import worker_extension as W
+
+    monkeypatch.delenv(W.CPU_STAND_INS_FLAG, raising=False)
+    assert W._cpu_stand_ins() is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU cannot be had here; the guard reads this
-    with pytest.raises(RuntimeError, match=K.ENV_FLAG):
+    with pytest.raises(RuntimeError, match=W.CPU_STAND_INS_FLAG):
         K.install()

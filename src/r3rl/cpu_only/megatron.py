@@ -324,6 +324,40 @@ class MainGradAdam:
                     self.params[i].copy_(master)
 
 
+class CpuOptimizer:
+    """``MainGradAdam`` behind the trainer's optimizer interface (``r3rl.train.optim.Optimizer``)."""
+
+    def __init__(self, inner: MainGradAdam):
+        self.inner = inner
+
+    def step(self) -> tuple[bool, float]:
+        return self.inner.step()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+
+    @property
+    def stepped(self) -> bool:
+        return bool(self.inner.optimizer.state)
+
+    @property
+    def adam_step(self) -> int:
+        return self.inner.adam_step
+
+    def sharded_state_dict(self, model_state: dict, is_loading: bool, metadata: dict) -> dict:
+        return self.inner.sharded_state_dict(model_state)
+
+    def load_sharded_state_dict(self, tensors: dict, adam_step: int) -> None:
+        self.inner.load_sharded_state_dict(tensors, adam_step)
+
+    def reset_state(self) -> None:
+        self.inner.optimizer.state.clear()  # torch's AdamW starts every parameter afresh at its next step
+
+
 def _names_cuda(device: Any) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"

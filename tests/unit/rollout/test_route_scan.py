@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from r3rl.rollout import _kernels
+from r3rl.rollout import route_scan
 
 
 def reference(routes: np.ndarray) -> tuple[list[int], bool]:
@@ -30,7 +30,7 @@ def test_matches_reference_with_duplicates_planted_anywhere(use_numba, dtype, k,
     if use_numba:
         pytest.importorskip("numba")
     routes = distinct_routes(5_000, 6, k, experts, dtype, seed=k)
-    layer_max, dup = _kernels.scan_routes(routes, use_numba=use_numba)
+    layer_max, dup = route_scan.scan_routes(routes, use_numba=use_numba)
     assert (layer_max.tolist(), dup) == reference(routes)
     rng = np.random.default_rng(1)
     for _ in range(12):
@@ -39,8 +39,8 @@ def test_matches_reference_with_duplicates_planted_anywhere(use_numba, dtype, k,
         i, j = rng.choice(k, size=2, replace=False)
         bad[r, layer, j] = bad[r, layer, i]
         assert reference(bad)[1]
-        assert _kernels.scan_routes(bad, use_numba=use_numba)[1]
-        assert _kernels.first_duplicate_row(bad.reshape(-1, k)) == r * 6 + layer
+        assert route_scan.scan_routes(bad, use_numba=use_numba)[1]
+        assert route_scan.first_duplicate_row(bad.reshape(-1, k)) == r * 6 + layer
 
 
 @pytest.mark.parametrize("use_numba", [True, False])
@@ -48,23 +48,23 @@ def test_layer_maxima_see_every_row_and_lane(use_numba):
     routes = distinct_routes(1_000, 4, 8, 64, np.uint8, seed=5)
     routes[:, 2] = np.arange(8, dtype=np.uint8)  # layer 2: ids 0..7 only
     routes[-1, 2, 7] = 100  # one large id in the last row's last lane
-    layer_max, _ = _kernels.scan_routes(routes, use_numba=use_numba)
+    layer_max, _ = route_scan.scan_routes(routes, use_numba=use_numba)
     assert layer_max.tolist() == reference(routes)[0] and layer_max[2] == 100
 
 
 def test_chunk_boundaries_and_expert_zero():
-    rows = distinct_routes(3 * _kernels._CHUNK_WORDS + 5, 1, 8, 64, np.uint8, seed=3)[:, 0]
+    rows = distinct_routes(3 * route_scan._CHUNK_WORDS + 5, 1, 8, 64, np.uint8, seed=3)[:, 0]
     rows[-1] = [0, 1, 2, 3, 4, 5, 6, 7]  # id 0 is a valid id, not a padding artefact
-    assert not _kernels.has_duplicate_rows(rows)
+    assert not route_scan.has_duplicate_rows(rows)
     rows[-1, 7] = 0
-    assert _kernels.has_duplicate_rows(rows)
-    assert _kernels.first_duplicate_row(rows) == len(rows) - 1
+    assert route_scan.has_duplicate_rows(rows)
+    assert route_scan.first_duplicate_row(rows) == len(rows) - 1
 
 
 _DECODE = """
 import warnings
 import numpy as np
-from r3rl.rollout import _kernels
+from r3rl.rollout import route_scan
 from r3rl.rollout.routed_experts import RouteSpec, RoutedExpertsError, decode_routed_experts, encode_routed_experts
 spec = RouteSpec(num_layers=4, topk=8, num_experts=128)
 rng = np.random.default_rng(0)
@@ -79,7 +79,7 @@ with warnings.catch_warnings(record=True) as caught:
         raise SystemExit("duplicate not found")
     except RoutedExpertsError as err:
         assert "token row 50, layer 3" in str(err), err
-print("kernel:", "numba" if _kernels._compiled else "numpy")
+print("kernel:", "numba" if route_scan._compiled else "numpy")
 print("warnings:", len(caught))
 for w in caught:
     print("warning:", w.message)
