@@ -1,6 +1,7 @@
 """The learning figure: the default learning run with routing replay and without, same seeds, side by side.
 
-    python bench/learning_curve.py [--out outputs/learning] [--steps N] [--seeds 1,2] [--data-seeds 7,8] [override ...]
+    python bench/learning_curve.py [--out outputs/learning] [--steps N] [--seeds 1,2] [--data-seeds 7,8] [--docs]
+                                   [override ...]
 
 Runs ``python run.py rollout=vllm_r3`` and ``python run.py rollout=vllm`` one after the other (the default CPU
 recipe: SFT warm start, cached and shared by both, then GRPO), each into its own folder under ``--out``, then reads
@@ -9,8 +10,9 @@ per eval point avg@k and pass@k +- their standard errors (clustered by problem: 
 gain is the last eval point's avg@k minus the first's; its standard error is that of the mean per-prompt change
 (the same prompts at both points, from the per-prompt scores the recipe records under ``eval/``), clustered by
 problem (``r3rl.eval.records.paired_gain``), or without those records the two points' errors combined as if
-independent. It writes the comparison picture
-(``--out/comparison.png``, by ``r3rl.dashboard``). Last line:
+independent. It writes the comparison pictures
+(``--out/comparison.png``, every panel, and ``--out/headline.png``, the held-out score and the mismatch, by
+``r3rl.dashboard``; ``--docs`` copies them to ``docs/learning_curve.png`` and ``docs/headline.png``). Last line:
 ``learning: eval avg@k gain <g> (<n> standard errors); R3 <g3>, no replay <g0>``.
 
 ``--seeds`` adds R3 runs with other ``rollout.sampling.seed`` values, the warm start and held-out set shared: one
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +90,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="", help="comma-separated rollout.sampling.seed values of more R3 runs")
     parser.add_argument("--data-seeds", default="",
                         help="comma-separated data.seed values of more R3 runs, each from its own warm start")
+    parser.add_argument("--docs", action="store_true",
+                        help="copy the pictures to docs/learning_curve.png and docs/headline.png")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
     out = Path(args.out).resolve()
@@ -109,7 +114,11 @@ def main() -> None:
     gains = [summarise(label, folder) for (label, _), folder in zip(RUNS, folders)]
     subprocess.run([sys.executable, "-m", "r3rl.dashboard", "--runs", *map(str, folders), "--out", str(out)],
                    cwd=REPO, check=False, stdout=subprocess.DEVNULL)
-    print(f"\ncomparison picture: {out / 'comparison.png'}")
+    print(f"\ncomparison pictures: {out / 'comparison.png'}, {out / 'headline.png'}")
+    if args.docs:
+        shutil.copy(out / "comparison.png", REPO / "docs" / "learning_curve.png")
+        shutil.copy(out / "headline.png", REPO / "docs" / "headline.png")
+        print("docs/learning_curve.png and docs/headline.png: replaced")
     (g3, se3), (g0, _) = gains
     if more:
         runs = [("the run above", g3)] + [(name, summarise(f"R3, {name}", f)[0]) for name, f in more]

@@ -1,6 +1,7 @@
 """``python -m r3rl.dashboard --runs <run folders or .wandb files> --out <folder> [--entity E --project P
---save-report]``: the local comparison always, ``report.json`` (the W&B report spec) always, and the W&B report
-saved only with ``--save-report`` and W&B online."""
+--save-report]``: the local comparison always (``comparison.png`` and ``.html``, every panel; ``headline.png``, the
+held-out score and the mismatch), ``report.json`` (the W&B report spec) always, and the W&B report saved only with
+``--save-report`` and W&B online."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from r3rl.dashboard.headline import write_headline
 from r3rl.dashboard.local import write_comparison
 from r3rl.dashboard.report import build_report, report_spec
 from r3rl.dashboard.stabilisers import grid_rows, render_table
@@ -36,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", nargs="+", required=True,
                     help="run output folders, offline-run-* folders or .wandb files")
-    ap.add_argument("--out", required=True, help="folder for comparison.png, comparison.html and report.json")
+    ap.add_argument("--out", required=True,
+                    help="folder for comparison.png, headline.png, comparison.html and report.json")
     ap.add_argument("--entity", default=None, help="W&B entity of the report (required to save it)")
     ap.add_argument("--project", default=None, help="W&B project of the report (default: the runs' project)")
     ap.add_argument("--title", default="R3: rollout routing replay on vs off", help="report title")
@@ -49,8 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = load_runs(args.runs)
     out = Path(args.out)
     png, page = write_comparison(runs, out)
+    headline = write_headline(runs, out / "headline.png")
     print(render_table(grid_rows(runs)))
-    print(f"wrote {png} and {page}")
+    print(f"wrote {png}, {headline} and {page}")
 
     project = args.project or next((r.project for r in runs if r.project), "r3rl")
     entity = args.entity or next((r.entity for r in runs if r.entity), "")

@@ -33,6 +33,8 @@ _COLOURS = (("tab:blue", "Blues"), ("tab:orange", "Oranges"), ("tab:green", "Gre
             ("tab:red", "Reds"), ("tab:brown", "YlOrBr"), ("tab:gray", "Greys"))
 _REPLAY_STYLES = {"r3": "-", "none": "--", "r2": "-.", None: ":"}
 _MARKERS = (".", "x", "^", "s", "v", "d")
+# a panel title's characters per line: wider than its 7-inch panel at 10 pt, a title runs into its neighbour's
+TITLE_CHARS = 72
 
 
 def run_label(run: OfflineRun) -> str:
@@ -75,7 +77,7 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[OfflineRun]) -> int:
             ax.plot(steps, ys, style, color=shade, marker=marker, label=f"{_short_label(run, runs)}: {key}")
             _stderr_band(ax, run, key, steps, ys, shade)
             lines += 1
-    ax.set_title(panel.title_for(runs), fontsize=10)
+    ax.set_title(textwrap.fill(panel.title_for(runs), TITLE_CHARS), fontsize=10)
     ax.set_xlabel(panel.x)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(panel.y_label)
@@ -97,20 +99,26 @@ def shown_panels(runs: Sequence[OfflineRun], panels: Sequence[Panel] = PANELS) -
     return [p for p in panels if p.has_data(runs)]
 
 
-def write_png(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] = PANELS) -> Path:
+def comparison_figure(runs: Sequence[OfflineRun], panels: Sequence[Panel] = PANELS):
+    """The panels ``runs`` logged, two a row, under the runs' names and what replay removes (the caller closes it)."""
     panels = shown_panels(runs, panels)
     cols = 2
     rows = max(1, math.ceil(len(panels) / cols))
     # constrained layout makes room for the figure title above the first row (tight_layout ignores it)
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4 * rows), squeeze=False, layout="constrained")
+    for ax, panel in zip(axes.flat, panels):
+        draw_panel(ax, panel, runs)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    # wrapped to the figure's width: a headline wider than the figure is cut at both edges
+    lines = [" vs ".join(run_label(r) for r in runs), *headlines(runs)]
+    fig.suptitle("\n".join(textwrap.fill(line, 11 * 7 * cols) for line in lines), fontsize=11)
+    return fig
+
+
+def write_png(runs: Sequence[OfflineRun], path: Path, panels: Sequence[Panel] = PANELS) -> Path:
+    fig = comparison_figure(runs, panels)
     try:
-        for ax, panel in zip(axes.flat, panels):
-            draw_panel(ax, panel, runs)
-        for ax in list(axes.flat)[len(panels):]:
-            ax.set_visible(False)
-        # wrapped to the figure's width: a headline wider than the figure is cut at both edges
-        lines = [" vs ".join(run_label(r) for r in runs), *headlines(runs)]
-        fig.suptitle("\n".join(textwrap.fill(line, 11 * 7 * cols) for line in lines), fontsize=11)
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)

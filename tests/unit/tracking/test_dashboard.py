@@ -247,3 +247,79 @@ def test_stabiliser_table_has_one_row_per_run_with_its_setup_and_figures(run_dir
     table = (out / "comparison.html").read_text().split("Stabilisers, one row per run")[1].split("</table>")[0]
     assert table.count("<tr>") == 4  # the header and one row per run
     assert "soft 0.25, gspo, frozen router" in table and "10%" in table and "1 (3.5)" in table
+
+
+def title_collisions(fig) -> list[tuple[str, str]]:
+    """The figure title and the visible panels' titles, rendered: every pair whose boxes intersect, and every title
+    that leaves the figure."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in (fig._suptitle, *(ax.title for ax in fig.axes if ax.get_visible())) if t and t.get_text()]
+    boxes = [(t.get_text().split("\n")[0][:40], t.get_window_extent(renderer)) for t in texts]
+    out = [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1:] if box_a.overlaps(box_b)]
+    edge = fig.bbox
+    return out + [(a, "figure edge") for a, box in boxes
+                  if box.x0 < edge.x0 or box.x1 > edge.x1 or box.y1 > edge.y1]
+
+
+def test_rendered_comparison_has_no_overlapping_title_and_no_empty_panel(run_dirs, monkeypatch):
+    """The docs' first picture had the run names over the first row's titles, titles running into each other and a
+    panel saying "not logged by these runs" (issue 60). Rendered with every policy-lag note on (the longest titles):
+    fails if two titles' boxes intersect, a title leaves the figure, or a visible panel has no line. The control:
+    the same figure with titles unwrapped collides."""
+    from matplotlib import pyplot as plt
+
+    from r3rl.dashboard import local
+    from r3rl.dashboard.panels import LAG_NOTE, Panel
+
+    monkeypatch.setattr(Panel, "title_for", lambda self, runs: self.title + LAG_NOTE)
+    runs = load_runs([run_dirs[True], run_dirs[False], run_dirs["r2"]])
+    fig = local.comparison_figure(runs)
+    try:
+        assert title_collisions(fig) == []
+        visible = [ax for ax in fig.axes if ax.get_visible()]
+        assert visible and all(ax.get_lines() for ax in visible)
+    finally:
+        plt.close(fig)
+    monkeypatch.setattr(local, "TITLE_CHARS", 10_000)
+    fig = local.comparison_figure(runs)
+    try:
+        assert title_collisions(fig)
+    finally:
+        plt.close(fig)
+
+
+def test_headline_figure_shows_held_out_score_and_mismatch_of_each_run(run_dirs, tmp_path):
+    """The docs' home figure: two panels, each with a line per run (R3 on solid, off dashed), titles apart. Fails if
+    a run's held-out score or mismatch is missing, if the two runs share a style, or if the titles collide."""
+    from matplotlib import pyplot as plt
+
+    from r3rl.dashboard import headline
+
+    runs = load_runs([run_dirs[True], run_dirs[False]])
+    drawn = []
+    real_close = plt.close
+    try:
+        plt.close = lambda fig: drawn.append(fig)  # keep the figure to look at what was rendered
+        path = headline.write_headline(runs, tmp_path / "headline.png")
+    finally:
+        plt.close = real_close
+    (fig,) = drawn
+    try:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and title_collisions(fig) == []
+        score, mismatch = fig.axes
+        for ax in (score, mismatch):
+            labelled = {line.get_label(): line.get_linestyle() for line in ax.get_lines()
+                        if not line.get_label().startswith("_")}
+            assert set(labelled.values()) == {"-", "--"}, labelled
+        assert [round(y, 3) for y in score.get_lines()[0].get_ydata()] == [0.25, 0.5]
+    finally:
+        real_close(fig)
+
+
+def test_running_mean_averages_each_point_with_the_ones_before():
+    """Fails if the window reached ahead (a step would show later steps' noise) or the start divided by the full
+    window."""
+    from r3rl.dashboard.headline import running_mean
+
+    assert running_mean([1.0, 3.0, 5.0, 7.0], 2).tolist() == [1.0, 2.0, 4.0, 6.0]
