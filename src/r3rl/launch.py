@@ -1,5 +1,5 @@
-"""What ``run.py`` and ``doctor.py`` check before a recipe starts: the launch plan of a dry run, and whether this machine
-can run the layout at all. Starting the recipe is ``run.py``'s own (the library never imports ``recipes/``)."""
+"""What ``run.py`` and ``doctor.py`` check before a recipe starts: the launch plan of a dry run, and whether this
+machine can run the layout at all. Starting the recipe is ``run.py``'s own (the library never imports ``recipes/``)."""
 
 from __future__ import annotations
 

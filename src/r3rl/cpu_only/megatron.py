@@ -6,7 +6,9 @@ router, DDP buffers), the CUDA RNG tracker (attention always forks it, activatio
 stack that allocates on ``cuda``. ``apply_if_needed`` points the first two at the CPU and is a no-op when CUDA is
 available (the missing-TransformerEngine fallbacks, needed on GPUs too, live in ``r3rl.train.te_fallback``); the rest are settings
 (``transformer_overrides``), an explicit causal mask so Megatron never builds its own (``attention_mask``) and a plain
-torch optimizer over Megatron's ``main_grad`` buffers (``MainGradAdam``), used only while the compat layer is active.
+torch optimizer over Megatron's ``main_grad`` buffers (``MainGradAdam``, behind ``CpuOptimizer``), used only while
+the compat layer is active. The trainer reaches all of it through ``r3rl.train.hardware``, which imports this module
+only where CUDA is not available.
 """
 
 from __future__ import annotations
@@ -34,14 +36,6 @@ CPU_TRANSFORMER_OVERRIDES: dict[str, Any] = {
 }
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
-def is_active() -> bool:
-    return _ACTIVE
-
-
 def apply_if_needed() -> bool:
     """Patch Megatron for the CPU when there is no GPU; return whether the CPU compat layer is active.
 
@@ -50,7 +44,7 @@ def apply_if_needed() -> bool:
     global _ACTIVE
     if _ACTIVE:
         return True
-    if cuda_available():
+    if torch.cuda.is_available():  # a second guard behind r3rl.train.hardware's
         return False
     _expect_missing_fused_kernels()
     _patch_current_device()

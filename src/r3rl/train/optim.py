@@ -1,5 +1,5 @@
-"""The optimizer behind the trainer: Megatron's (distributed) optimizer, or the CPU's AdamW over ``main_grad`` (``r3rl.cpu_only.megatron``)
-for a CPU run without the distributed optimizer (the CPU profile's one rank).
+"""The optimizer behind the trainer: Megatron's (distributed) optimizer, or the CPU's AdamW over ``main_grad``
+(``r3rl.cpu_only.megatron``) for a CPU run without the distributed optimizer (the CPU profile's one rank).
 
 Both expose ``step() -> (ok, grad_norm)``, ``zero_grad()``, ``set_lr()``, and their state for a checkpoint
 (r3rl.train.checkpoint) in one form: a flat ``{n: ShardedTensor}`` (n numbers this rank's tensors; the file names

@@ -67,6 +67,7 @@ def test_the_route_trace_of_every_step_is_identical_at_every_boundary(calculator
     report = check(run_dir / "trace")
     assert report.steps == 3 and report.samples == 3 * 16
     assert report.boundaries == ("rollout", "batch", "trainer input", "router") and not report.breaks
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[3] / "doctor.py"), "--trace", str(run_dir / "trace")],
-                         capture_output=True, text=True, timeout=120)
+    doctor = Path(__file__).resolve().parents[3] / "doctor.py"
+    out = subprocess.run([sys.executable, str(doctor), "--trace", str(run_dir / "trace")], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0 and "every sample identical at every boundary" in out.stdout, out.stdout + out.stderr
