@@ -47,6 +47,35 @@ def test_router_weights_get_gradients_under_replay(policy):
     assert_replay_state_empty(policy)
 
 
+def test_router_gradients_under_replay_equal_the_unreplayed_where_routes_coincide(policy, monkeypatch):
+    """Replaying the routers' own routes (equal lengths: no padding row), every gradient, the routers' included,
+    equals the pass without replay. Fails if the replayed weights were gathered from scores that carry no gradient
+    back to the router (ISEEKYAN/Megatron-LM #79: probabilities taken after the top-k mask): the fault is planted
+    below and the routers' gradients then vanish while the rest still trains."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    samples = routed(policy, routes="record", lengths=(7, 6))
+    adv = np.linspace(-1.0, 1.0, len(samples))
+    live = policy.gradients(samples, adv, replay=False)["grads"]
+    replayed = policy.gradients(samples, adv, replay=True)["grads"]
+    routers = [n for n in live if n.endswith("mlp.router.weight")]
+    assert len(routers) == policy.cfg.model.num_layers and all(float(live[n].abs().sum()) > 0 for n in routers)
+    worst = {n: float((live[n] - replayed[n]).abs().max() / live[n].abs().max().clamp_min(1e-30)) for n in live}
+    assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+    original = RouterReplay.get_replay_topk
+
+    def after_the_mask(self, scores, *args, **kwargs):  # the #79 fault: the replayed weights lose the graph
+        return original(self, scores.detach(), *args, **kwargs)
+
+    monkeypatch.setattr(RouterReplay, "get_replay_topk", after_the_mask)
+    faulty = policy.gradients(samples, adv, replay=True)["grads"]
+    assert all(float(faulty[n].abs().sum()) == 0 for n in routers)
+    assert any(not torch.equal(faulty[n], torch.zeros_like(faulty[n])) for n in live if n not in routers)
+    assert_replay_state_empty(policy)
+
+
 def test_replaying_recorded_routes_reproduces_unreplayed_logprobs_exactly(policy):
     # equal lengths: no padding rows, so both passes hand every expert exactly the same tokens
     samples = routed(policy, routes="record", lengths=(7, 6))
