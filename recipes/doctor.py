@@ -20,6 +20,7 @@ from r3rl import route_trace
 from r3rl.config.schema import R3RLConfig
 from r3rl.doctor import checks as C
 from r3rl.doctor.checks import Check
+from r3rl.models.layers import hf_moe_layers
 from r3rl.models.tiny_moe import ensure_checkpoint
 from r3rl.rollout.probe import unguarded_routes
 from r3rl.sync.disk import update_weights_from_hf, weight_checksums
@@ -56,7 +57,7 @@ class Doctor(GRPORecipe):
         hf_config = json.loads((Path(ensure_checkpoint(model)) / "config.json").read_text())
         trainer_layers = sorted({layer for rank in inventory for layer in rank["layers"]})
         self.check("layer map", lambda: C.layer_map(
-            C.hf_moe_layers(hf_config), samples[0].routed_experts.shape[1] if routed else None, trainer_layers))
+            hf_moe_layers(hf_config), samples[0].routed_experts.shape[1] if routed else None, trainer_layers))
 
         batch = ray.put(samples)
         with console.status("doctor: the trainer's passes without and with replay, and their controls"):

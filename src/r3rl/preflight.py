@@ -127,6 +127,7 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
     import json
     from pathlib import Path
 
+    from r3rl.models.layers import hf_moe_layers
     from r3rl.models.tiny_moe import MARKER
 
     folder = Path(model.checkpoint)
@@ -137,11 +138,22 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
         hf = json.loads(config.read_text())
     except (OSError, ValueError) as err:
         return [("model.checkpoint", f"{config}: not readable as JSON ({err})")]
+    if hf.get("model_type", model.architecture) != model.architecture:
+        # another family's fields (n_routed_experts, first_k_dense_replace) would pass the shape check unread
+        return [("model.checkpoint", f"{config} has model_type={hf['model_type']!r}, but model={model.name} is "
+                                     f"model.architecture={model.architecture!r}: r3rl builds Qwen3-MoE only so far "
+                                     "(GLM-4.5 and DeepSeek-V3 are issue 61's)")]
     wrong = [f"{hf_key}={hf[hf_key]} but model.{key}={getattr(model, key)}" for key, hf_key in _HF_SHAPE.items()
              if hf_key in hf and hf[hf_key] != getattr(model, key)]
     if wrong:
         return [("model.checkpoint", f"{config} is not a model={model.name}: {'; '.join(wrong)} (choose the model "
                                      "config of that checkpoint, or another checkpoint)")]
+    if "num_hidden_layers" in hf and (moe := hf_moe_layers(hf)) != list(range(model.num_layers)):
+        dense = sorted(set(range(model.num_layers)) - set(moe))
+        return [("model.checkpoint", f"{config}: decoder layers {dense} have a dense MLP (mlp_only_layers="
+                                     f"{hf.get('mlp_only_layers')}, decoder_sparse_step={hf.get('decoder_sparse_step')}"
+                                     "); r3rl builds every layer as MoE so far, which would replay each route one "
+                                     "layer off after the first dense one (verl #5037)")]
     return []
 
 

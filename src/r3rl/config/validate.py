@@ -132,6 +132,8 @@ def validate(cfg: R3RLConfig) -> None:
         raise ConfigError(problems)
 
     # model
+    check(m.architecture == "qwen3_moe", "model.architecture",
+          f"must be qwen3_moe (Qwen3MoeForCausalLM, the one family r3rl builds so far), got {m.architecture!r}")
     check(m.init_std > 0, "model.init_std", f"must be > 0, got {m.init_std}")
     check(m.num_experts >= 1, "model.num_experts", f"must be >= 1, got {m.num_experts}")
     check(1 <= m.moe_topk <= m.num_experts, "model.moe_topk",

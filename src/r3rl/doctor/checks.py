@@ -88,22 +88,6 @@ def constant_layers(routes: Sequence[np.ndarray]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- 2. layer map
-def hf_moe_layers(hf_config: dict[str, Any]) -> list[int]:
-    """The 0-based indices of the decoder layers with a routed MoE block, by the HF config's own rules: Qwen-MoE's
-    ``mlp_only_layers`` and ``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace`` and ``moe_layer_freq``.
-    Layers past ``num_hidden_layers`` (MTP / next-token-prediction modules) are never counted."""
-    n = int(hf_config["num_hidden_layers"])
-    if "first_k_dense_replace" in hf_config or "n_routed_experts" in hf_config:
-        first = int(hf_config.get("first_k_dense_replace") or 0)
-        freq = int(hf_config.get("moe_layer_freq") or 1)
-        return [i for i in range(n) if i >= first and i % freq == 0]
-    if not int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0):
-        return []
-    dense = set(hf_config.get("mlp_only_layers") or [])
-    step = int(hf_config.get("decoder_sparse_step") or 1)
-    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-
-
 def layer_map(hf_layers: Sequence[int], engine_layers: int | None, trainer_layers: Sequence[int]) -> Check:
     """The MoE layers the checkpoint declares, the route layers the engine captures and the routers the trainer
     built must be the same layers in the same order: a dense leading layer counted by one side and not the other

@@ -118,3 +118,32 @@ def test_a_foreign_checkpoint_of_another_shape_is_refused_naming_model_checkpoin
     ((key, reason),) = info.value.problems
     assert key == "model.checkpoint" and "num_hidden_layers=4 but model.num_layers=2" in reason
     compose(["parallelism=cpu", run, f"model.checkpoint={tiny_model_dir}", "model.num_layers=2"])
+
+
+def test_a_checkpoint_of_another_family_or_with_dense_layers_is_refused_before_launch(tmp_path, tiny_model_dir):
+    """r3rl builds every decoder layer as a Qwen3-MoE layer. Fails if a checkpoint whose config declares a dense MLP
+    layer (Qwen's mlp_only_layers; GLM's and DeepSeek's first_k_dense_replace) or another model_type were accepted:
+    Megatron would build a router where the checkpoint has none, and every route after it would be replayed one
+    layer off (verl #5037), or another family's fields would go unread. Also fails if a typo of
+    model.architecture passed."""
+    import json
+
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    run = f"run.output_dir={tmp_path / 'run'}"
+
+    def refused(name: str, **fields) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**hf, **fields}))
+        with pytest.raises(ConfigError) as info:
+            compose(["parallelism=cpu", run, f"model.checkpoint={folder}"])
+        ((key, reason),) = info.value.problems
+        assert key == "model.checkpoint"
+        return reason
+
+    assert "decoder layers [0] have a dense MLP" in refused("dense_first", mlp_only_layers=[0])
+    assert "decoder layers [0, 2] have a dense MLP" in refused("sparse_step", decoder_sparse_step=2)
+    assert "model_type='glm4_moe'" in refused("glm", model_type="glm4_moe", first_k_dense_replace=1)
+    with pytest.raises(ConfigError) as info:
+        compose(["parallelism=cpu", run, "model.architecture=qwen3moe"])
+    assert [key for key, _ in info.value.problems] == ["model.architecture"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3rl.doctor import checks as C
+from r3rl.models.layers import hf_moe_layers
 from r3rl.route_trace import BOUNDARIES, TraceBreak, TraceReport
 from r3rl.sample import Sample, SampleStatus
 
@@ -44,12 +45,12 @@ def test_moe_layers_follow_the_checkpoint_config_and_a_dense_layer_breaks_the_ma
     """Fails if ``mlp_only_layers``, ``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace`` or its MTP
     layers were read wrong, or if a trainer counting a dense leading layer as MoE passed the layer map."""
     qwen = {"num_hidden_layers": 4, "num_experts": 8, "mlp_only_layers": [], "decoder_sparse_step": 1}
-    assert C.hf_moe_layers(qwen) == [0, 1, 2, 3]
-    assert C.hf_moe_layers({**qwen, "mlp_only_layers": [0]}) == [1, 2, 3]
-    assert C.hf_moe_layers({**qwen, "decoder_sparse_step": 2}) == [1, 3]
+    assert hf_moe_layers(qwen) == [0, 1, 2, 3]
+    assert hf_moe_layers({**qwen, "mlp_only_layers": [0]}) == [1, 2, 3]
+    assert hf_moe_layers({**qwen, "decoder_sparse_step": 2}) == [1, 3]
     deepseek = {"num_hidden_layers": 61, "n_routed_experts": 256, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                 "num_nextn_predict_layers": 1}
-    assert C.hf_moe_layers(deepseek) == list(range(3, 61))
+    assert hf_moe_layers(deepseek) == list(range(3, 61))
     assert C.layer_map([0, 1, 2, 3], 4, [0, 1, 2, 3]).status == C.PASS
     dense_first = C.layer_map([1, 2, 3], 4, [0, 1, 2, 3])
     assert dense_first.status == C.FAIL and "MoE layer #0" in dense_first.detail
