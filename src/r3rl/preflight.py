@@ -136,8 +136,10 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
         return []
     try:
         hf = json.loads(config.read_text())
-    except (OSError, ValueError) as err:
-        return [("model.checkpoint", f"{config}: not readable as JSON ({err})")]
+    except (OSError, ValueError, RecursionError) as err:
+        return [("model.checkpoint", f"{config}: not readable as JSON ({str(err)[:200]})")]
+    if not isinstance(hf, dict):
+        return [("model.checkpoint", f"{config}: not a JSON object (a model's config.json holds one)")]
     if hf.get("model_type", model.architecture) != model.architecture:
         # another family's fields (n_routed_experts, first_k_dense_replace) would pass the shape check unread
         return [("model.checkpoint", f"{config} has model_type={hf['model_type']!r}, but model={model.name} is "
@@ -148,7 +150,12 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
     if wrong:
         return [("model.checkpoint", f"{config} is not a model={model.name}: {'; '.join(wrong)} (choose the model "
                                      "config of that checkpoint, or another checkpoint)")]
-    if "num_hidden_layers" in hf and (moe := hf_moe_layers(hf)) != list(range(model.num_layers)):
+    try:
+        moe = hf_moe_layers(hf) if "num_hidden_layers" in hf else list(range(model.num_layers))
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as err:
+        return [("model.checkpoint", f"{config}: its MoE layer fields (mlp_only_layers, decoder_sparse_step, "
+                                     f"first_k_dense_replace, moe_layer_freq) do not read as layers ({err})")]
+    if moe != list(range(model.num_layers)):
         dense = sorted(set(range(model.num_layers)) - set(moe))
         return [("model.checkpoint", f"{config}: decoder layers {dense} have a dense MLP (mlp_only_layers="
                                      f"{hf.get('mlp_only_layers')}, decoder_sparse_step={hf.get('decoder_sparse_step')}"
