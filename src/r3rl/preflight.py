@@ -113,11 +113,15 @@ def reward_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     return problems
 
 
-# model.<key> -> the HF config.json field of a Qwen3-MoE checkpoint that must agree with it
+# model.<key> -> the HF config.json field of a Qwen3-MoE checkpoint that must agree with it: the shapes, and what
+# vLLM reads from the checkpoint while Megatron takes it from the model config (the routing weights' normalisation,
+# RoPE's base, the norms' epsilon, tied embeddings): a disagreement there is a train-rollout mismatch no replay removes
 _HF_SHAPE = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
              "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
              "head_dim": "head_dim", "num_experts": "num_experts", "moe_topk": "num_experts_per_tok",
-             "moe_ffn_hidden_size": "moe_intermediate_size", "vocab_size": "vocab_size"}
+             "moe_ffn_hidden_size": "moe_intermediate_size", "vocab_size": "vocab_size",
+             "norm_topk_prob": "norm_topk_prob", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps",
+             "tie_word_embeddings": "tie_word_embeddings"}
 
 
 def checkpoint_problems(model) -> list[tuple[str, str]]:
@@ -145,6 +149,9 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
         return [("model.checkpoint", f"{config} has model_type={hf['model_type']!r}, but model={model.name} is "
                                      f"model.architecture={model.architecture!r}: r3rl builds Qwen3-MoE only so far "
                                      "(GLM-4.5 and DeepSeek-V3 are issue 61's)")]
+    rope = hf.get("rope_parameters")  # transformers 5 reads RoPE's base there first (rope_theta may be left out)
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        hf = {**hf, "rope_theta": rope["rope_theta"]}
     wrong = [f"{hf_key}={hf[hf_key]} but model.{key}={getattr(model, key)}" for key, hf_key in _HF_SHAPE.items()
              if hf_key in hf and hf[hf_key] != getattr(model, key)]
     if wrong:

@@ -124,8 +124,10 @@ def test_a_checkpoint_of_another_family_or_with_dense_layers_is_refused_before_l
     """r3rl builds every decoder layer as a Qwen3-MoE layer. Fails if a checkpoint whose config declares a dense MLP
     layer (Qwen's mlp_only_layers; GLM's and DeepSeek's first_k_dense_replace) or another model_type were accepted:
     Megatron would build a router where the checkpoint has none, and every route after it would be replayed one
-    layer off (verl #5037), or another family's fields would go unread. Also fails if a typo of
-    model.architecture passed."""
+    layer off (verl #5037), or another family's fields would go unread; or if a checkpoint whose routing weights'
+    normalisation, RoPE base or norm epsilon differ from the model config's passed (vLLM would serve the checkpoint's,
+    Megatron train the config's: a mismatch replay cannot remove). Also fails if a typo of model.architecture
+    passed."""
     import json
 
     hf = json.loads((tiny_model_dir / "config.json").read_text())
@@ -144,6 +146,11 @@ def test_a_checkpoint_of_another_family_or_with_dense_layers_is_refused_before_l
     assert "decoder layers [0] have a dense MLP" in refused("dense_first", mlp_only_layers=[0])
     assert "decoder layers [0, 2] have a dense MLP" in refused("sparse_step", decoder_sparse_step=2)
     assert "model_type='glm4_moe'" in refused("glm", model_type="glm4_moe", first_k_dense_replace=1)
+    # what vLLM reads from the checkpoint and Megatron from the model config must agree too
+    assert "norm_topk_prob=False but model.norm_topk_prob=True" in refused("no_norm", norm_topk_prob=False)
+    assert "rope_theta=10000.0 but model.rope_theta=1000000.0" in refused(
+        "rope", rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert "rms_norm_eps=1e-05" in refused("eps", rms_norm_eps=1e-5)
     with pytest.raises(ConfigError) as info:
         compose(["parallelism=cpu", run, "model.architecture=qwen3moe"])
     assert [key for key, _ in info.value.problems] == ["model.architecture"]
