@@ -179,24 +179,20 @@ def seed_rng_tracker(seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> No
 
 
 def transformer_overrides() -> dict[str, Any]:
-    """TransformerConfig settings the CPU needs, on top of ``plan.megatron_config`` (empty when inactive)."""
-    return dict(CPU_TRANSFORMER_OVERRIDES) if _ACTIVE else {}
+    """TransformerConfig settings the CPU needs, on top of ``plan.megatron_config``."""
+    return dict(CPU_TRANSFORMER_OVERRIDES)
 
 
 def attention_mask(seq_len: int, device: torch.device) -> torch.Tensor | None:
-    """An explicit causal mask (True = masked) for the local attention on a CPU; None lets GPU kernels build theirs.
+    """An explicit causal mask (True = masked) for the local attention on a CPU.
 
     Batches are right-padded, so causal masking alone keeps every real token blind to the padding after it.
     """
-    if not _ACTIVE:
-        return None
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
 def check_supported(tensor_parallel: int, pipeline_parallel: int, context_parallel: int) -> None:
     """Refuse layouts that Megatron cannot run on a CPU, with the reason."""
-    if not _ACTIVE:
-        return
     problems = []
     if tensor_parallel != 1:
         problems.append("tensor_parallel must be 1 (MoE + TP needs sequence parallel, which torch's CPU norm refuses)")
@@ -380,6 +376,5 @@ class _CudaAsCpu(torch.overrides.TorchFunctionMode):
 
 
 def megatron_optimizer_scope() -> contextlib.AbstractContextManager:
-    """Where Megatron's (distributed) optimizer runs: CUDA allocations redirected to the CPU while the compat layer is
-    active, nothing otherwise."""
-    return _CudaAsCpu() if _ACTIVE else contextlib.nullcontext()
+    """Where Megatron's (distributed) optimizer runs: CUDA allocations redirected to the CPU."""
+    return _CudaAsCpu()

@@ -89,7 +89,10 @@ class R3RLWorkerExtension:
 
     def r3rl_interpreter_clock(self, start: bool) -> dict[str, Any]:
         """``start``: clock Triton's interpreter from now on; else what it ran since (``bench/cpu_rollout.py``)."""
-        clock = _cpu_stand_ins().interpreter_clock
+        kernels = _cpu_stand_ins()
+        if kernels is None:
+            raise RuntimeError("Triton's interpreter runs only on the CPU profile's engines (R3RL_MRV2_TORCH_KERNELS=1)")
+        clock = kernels.interpreter_clock
         if start:
             clock.start()
         return clock.read()
