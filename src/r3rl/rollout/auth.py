@@ -29,7 +29,9 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 def new_token() -> str:
-    return secrets.token_urlsafe(32)
+    # hex, not urlsafe base64: one token in 64 of those starts with '-', which a command line (vLLM's --api-key)
+    # reads as an option
+    return secrets.token_hex(32)
 
 
 def token() -> str | None:

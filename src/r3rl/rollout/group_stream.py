@@ -111,8 +111,16 @@ class GroupStream(Generic[P, G]):
         return drawn
 
     def _poke(self) -> None:
+        self._in_loop(lambda: self._wake.set())
+
+    def _in_loop(self, call) -> None:
+        """``call`` in the stream's loop, from any thread; nothing once the loop has ended (close stops it, and it can
+        end between two calls)."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+            try:
+                self._loop.call_soon_threadsafe(call)
+            except RuntimeError:  # the loop is closed: nothing is left to wake
+                pass
 
     def allow(self, limit: int | None) -> None:
         """Draw serials below ``limit`` only (None: no limit beyond ``capacity``); from any thread."""
@@ -184,8 +192,8 @@ class GroupStream(Generic[P, G]):
         connections close) and wait for the loop to end."""
         if self._future is None:
             return
-        if self._loop is not None and not self._future.done():
-            self._loop.call_soon_threadsafe(self._stop.set)
+        if not self._future.done():
+            self._in_loop(lambda: self._stop.set())
             self._poke()
         try:
             self._future.result()

@@ -82,3 +82,11 @@ def test_http_needs_the_token_but_health(server):
     assert httpx.get(f"http://{server}/is_paused").status_code == 401
     assert httpx.get(f"http://{server}/is_paused", headers={"Authorization": f"Bearer {TOKEN}"}).text == "hello"
     assert httpx.get(f"http://{server}/health").text == "hello"
+
+
+def test_a_new_token_is_never_read_as_a_command_line_option():
+    """A urlsafe-base64 token starts with '-' once in 64, and vLLM's ``--api-key <token>`` then failed to parse
+    ("expected at least one argument"; seen in a clean-clone run). Fails if tokens may start with '-' again."""
+    from r3rl.rollout import auth
+
+    assert not any(auth.new_token().startswith("-") for _ in range(2000))
