@@ -62,6 +62,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from r3rl.config.families import param_counts
 from r3rl.config.schema import R3RLConfig
 
 GIB = 1024**3
@@ -74,26 +75,6 @@ HOST_RUNTIME_BYTES = 4 * GIB
 HOST_GRAD_BYTES, HOST_PARAM_BYTES, HOST_MOMENT_BYTES = 4, 4, 8
 # float32 parameter + two Adam moments: the optimizer state a checkpoint holds (and the fully reshardable gather)
 OPTIMIZER_CHECKPOINT_BYTES = 12
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters of the whole model by how Megatron shards them."""
-
-    dense_per_layer: int  # attention, norms, router: split over tensor parallel
-    experts_per_layer: int  # routed experts: split over expert parallel x expert-tensor parallel
-    embeddings: int  # input embedding + output layer (untied) + final norm
-
-
-def param_counts(model) -> ParamCounts:
-    h = model.hidden_size
-    q = model.num_attention_heads * model.head_dim
-    kv = model.num_query_groups * model.head_dim
-    attention = h * (q + 2 * kv) + q * h + 2 * model.head_dim  # qkv, proj, q/k norms
-    dense = attention + 2 * h + model.num_experts * h  # input and pre-MLP norms, router
-    experts = model.num_experts * 3 * h * model.moe_ffn_hidden_size  # SwiGLU: fc1 (gate+up) and fc2
-    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2) + h
-    return ParamCounts(dense, experts, embeddings)
 
 
 @dataclass(frozen=True)
@@ -264,18 +245,17 @@ def _staged(cfg: R3RLConfig, params_dtype: str, gathered: float) -> float:
 
 def checkpoint_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
     """Disk of one checkpoint: each parameter once in ``params_dtype`` and its optimizer state (12 B)."""
-    m, counts = cfg.model, param_counts(cfg.model)
-    total = m.num_layers * (counts.dense_per_layer + counts.experts_per_layer) + counts.embeddings
-    return int(total * (DTYPE_BYTES[params_dtype] + OPTIMIZER_CHECKPOINT_BYTES))
+    return int(param_counts(cfg.model).total * (DTYPE_BYTES[params_dtype] + OPTIMIZER_CHECKPOINT_BYTES))
 
 
 def _local_split(cfg: R3RLConfig) -> tuple[int, int]:
-    """(dense, expert) parameters one trainer rank holds: dense over TP, experts over EP x ETP, layers over PP."""
-    m, t = cfg.model, cfg.parallelism.trainer
-    counts = param_counts(m)
-    layers = -(-m.num_layers // t.pipeline_parallel)
-    dense = layers * counts.dense_per_layer // t.tensor_parallel + counts.embeddings // t.tensor_parallel
-    return dense, layers * counts.experts_per_layer // (t.expert_parallel * t.expert_tensor_parallel)
+    """(dense, expert) parameters one trainer rank holds: dense over TP, experts over EP x ETP, layers over PP (an
+    even share of the layers' parameters per stage)."""
+    t = cfg.parallelism.trainer
+    counts = param_counts(cfg.model)
+    pp = t.pipeline_parallel
+    dense = -(-counts.dense // pp) // t.tensor_parallel + counts.embeddings // t.tensor_parallel
+    return dense, -(-counts.experts // pp) // (t.expert_parallel * t.expert_tensor_parallel)
 
 
 def _local_params(cfg: R3RLConfig) -> int:
@@ -359,9 +339,9 @@ def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -
     """One engine GPU's share: its weights, and the KV cache in the rest of ``gpu_memory_utilization``."""
     m, r, eng = cfg.model, cfg.parallelism.rollout, cfg.rollout.engine
     counts = param_counts(m)
-    dense = (m.num_layers * counts.dense_per_layer + counts.embeddings) / r.tensor_parallel
+    dense = (counts.dense + counts.embeddings) / r.tensor_parallel
     expert_split = r.tensor_parallel * (r.data_parallel if r.expert_parallel else 1)
-    weights = int((dense + m.num_layers * counts.experts_per_layer / expert_split) * DTYPE_BYTES[engine_dtype])
+    weights = int((dense + counts.experts / expert_split) * DTYPE_BYTES[engine_dtype])
     if eng.kv_cache_memory_bytes is not None:
         return [Part("engine weights", weights), Part("engine KV cache", eng.kv_cache_memory_bytes)]
     if budget_bytes is None:

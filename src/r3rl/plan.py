@@ -223,21 +223,34 @@ def engine_env(cfg: R3RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
 
 
 def megatron_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
-    """TransformerConfig/GPTModel settings of Qwen3-MoE for Megatron-core (the CPU compat layer adds its own)."""
+    """TransformerConfig/GPTModel settings of the model's family for Megatron-core (the CPU compat layer adds its
+    own)."""
     m, t, tr = cfg.model, cfg.parallelism.trainer, cfg.trainer
+    dense = m.first_k_dense
     out: dict[str, Any] = {
         "num_layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads,
         "num_query_groups": m.num_query_groups,
         "kv_channels": m.head_dim,
-        "ffn_hidden_size": m.moe_ffn_hidden_size,
+        # the dense leading layers' MLP width (unused when every layer is MoE)
+        "ffn_hidden_size": m.ffn_hidden_size if dense else m.moe_ffn_hidden_size,
+        "moe_layer_freq": [0] * dense + [1] * (m.num_layers - dense) if dense else 1,
         "num_moe_experts": m.num_experts,
         "moe_router_topk": m.moe_topk,
         "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
-        "moe_router_score_function": "softmax",
-        # Qwen3 norm_topk_prob=True is softmax over the top-k scores (Megatron's post-softmax)
+        "moe_shared_expert_intermediate_size": m.num_shared_experts * m.moe_ffn_hidden_size or None,
+        "moe_router_score_function": m.router_score_function,
+        # Qwen3 norm_topk_prob=True is softmax over the top-k scores (Megatron's post-softmax); a sigmoid router's
+        # top-k weights are always renormalised by Megatron (the family checks require norm_topk_prob there)
         "moe_router_pre_softmax": not m.norm_topk_prob,
+        # GLM-4.5 / DeepSeek-V3's e_score_correction_bias: selection only, held fixed during RL (a rate through
+        # trainer.transformer_overrides.moe_router_bias_update_rate updates it as pre-training did)
+        "moe_router_enable_expert_bias": m.expert_bias,
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_topk_scaling_factor": m.routed_scaling_factor if m.routed_scaling_factor != 1.0 else None,
+        "moe_router_num_groups": m.router_num_groups if m.router_num_groups > 1 else None,
+        "moe_router_group_topk": m.router_group_topk if m.router_num_groups > 1 else None,
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
         "moe_router_dtype": tr.moe_router_dtype,
@@ -247,12 +260,13 @@ def megatron_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
         "moe_enable_routing_replay": replay_mode(cfg) != "none",
         "normalization": "RMSNorm",
         "layernorm_epsilon": m.rms_norm_eps,
-        "qk_layernorm": True,
+        "qk_layernorm": m.qk_norm,
         "gated_linear_unit": True,
         "activation_func": "silu",
         "add_bias_linear": False,
-        "add_qkv_bias": False,
+        "add_qkv_bias": m.qkv_bias,
         "rotary_base": m.rope_theta,
+        "rotary_percent": m.partial_rotary_factor,
         "vocab_size": m.vocab_size,
         "max_sequence_length": cfg.rollout.engine.max_model_len,
         "untie_embeddings_and_output_weights": not m.tie_word_embeddings,

@@ -113,17 +113,6 @@ def reward_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     return problems
 
 
-# model.<key> -> the HF config.json field of a Qwen3-MoE checkpoint that must agree with it: the shapes, and what
-# vLLM reads from the checkpoint while Megatron takes it from the model config (the routing weights' normalisation,
-# RoPE's base, the norms' epsilon, tied embeddings): a disagreement there is a train-rollout mismatch no replay removes
-_HF_SHAPE = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
-             "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
-             "head_dim": "head_dim", "num_experts": "num_experts", "moe_topk": "num_experts_per_tok",
-             "moe_ffn_hidden_size": "moe_intermediate_size", "vocab_size": "vocab_size",
-             "norm_topk_prob": "norm_topk_prob", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps",
-             "tie_word_embeddings": "tie_word_embeddings"}
-
-
 def checkpoint_problems(model) -> list[tuple[str, str]]:
     """An existing ``model.checkpoint`` folder not of r3rl's making (a downloaded model, an SFT run's export) whose
     config.json disagrees with the ``model`` config's shape. A folder r3rl generated is regenerated on a change of
@@ -131,6 +120,7 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
     import json
     from pathlib import Path
 
+    from r3rl.config.families import FAMILIES, moe_layers
     from r3rl.models.layers import hf_moe_layers
     from r3rl.models.tiny_moe import MARKER
 
@@ -147,27 +137,32 @@ def checkpoint_problems(model) -> list[tuple[str, str]]:
     if hf.get("model_type", model.architecture) != model.architecture:
         # another family's fields (n_routed_experts, first_k_dense_replace) would pass the shape check unread
         return [("model.checkpoint", f"{config} has model_type={hf['model_type']!r}, but model={model.name} is "
-                                     f"model.architecture={model.architecture!r}: r3rl builds Qwen3-MoE only so far "
-                                     "(GLM-4.5 and DeepSeek-V3 are issue 61's)")]
-    rope = hf.get("rope_parameters")  # transformers 5 reads RoPE's base there first (rope_theta may be left out)
-    if isinstance(rope, dict) and "rope_theta" in rope:
-        hf = {**hf, "rope_theta": rope["rope_theta"]}
-    wrong = [f"{hf_key}={hf[hf_key]} but model.{key}={getattr(model, key)}" for key, hf_key in _HF_SHAPE.items()
+                                     f"model.architecture={model.architecture!r} (choose the model config of that "
+                                     f"family; r3rl builds {sorted(FAMILIES)})")]
+    rope = hf.get("rope_parameters")  # transformers 5 reads RoPE's base and share there first
+    if isinstance(rope, dict):
+        hf = {**hf, **{k: rope[k] for k in ("rope_theta", "partial_rotary_factor") if k in rope}}
+    # every field the family spells: the shapes, and what vLLM reads from the checkpoint while Megatron takes it from
+    # the model config (the routing weights' normalisation and scale, groups, RoPE's base and share, the norms'
+    # epsilon, biases, tied embeddings): a disagreement there is a train-rollout mismatch no replay removes
+    wrong = [f"{hf_key}={hf[hf_key]} but model.{key}={getattr(model, key)}"
+             for key, hf_key in FAMILIES[model.architecture].hf_fields.items()
              if hf_key in hf and hf[hf_key] != getattr(model, key)]
     if wrong:
         return [("model.checkpoint", f"{config} is not a model={model.name}: {'; '.join(wrong)} (choose the model "
                                      "config of that checkpoint, or another checkpoint)")]
     try:
-        moe = hf_moe_layers(hf) if "num_hidden_layers" in hf else list(range(model.num_layers))
+        moe = hf_moe_layers(hf) if "num_hidden_layers" in hf else moe_layers(model)
     except (TypeError, ValueError, ZeroDivisionError, OverflowError) as err:
         return [("model.checkpoint", f"{config}: its MoE layer fields (mlp_only_layers, decoder_sparse_step, "
                                      f"first_k_dense_replace, moe_layer_freq) do not read as layers ({err})")]
-    if moe != list(range(model.num_layers)):
+    if moe != moe_layers(model):
         dense = sorted(set(range(model.num_layers)) - set(moe))
         return [("model.checkpoint", f"{config}: decoder layers {dense} have a dense MLP (mlp_only_layers="
                                      f"{hf.get('mlp_only_layers')}, decoder_sparse_step={hf.get('decoder_sparse_step')}"
-                                     "); r3rl builds every layer as MoE so far, which would replay each route one "
-                                     "layer off after the first dense one (verl #5037)")]
+                                     f", first_k_dense_replace={hf.get('first_k_dense_replace')}), but model="
+                                     f"{model.name} makes layers {moe_layers(model)} MoE: each route would be "
+                                     "replayed one layer off after a dense one (verl #5037)")]
     return []
 
 

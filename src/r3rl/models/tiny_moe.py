@@ -7,12 +7,14 @@ A crash never leaves half a checkpoint (``atomic_folder``).
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 from pathlib import Path
 
 from r3rl.config.schema import ModelConfig
 from r3rl.fsutil import atomic_folder
+from r3rl.config.families import QWEN3_MOE, family
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -66,34 +68,18 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_hf_config(model: ModelConfig, eos_token_id: int, pad_token_id: int):
-    from transformers import Qwen3MoeConfig
+    """The transformers config of ``model``'s family and shape (``r3rl.config.families`` spells its fields)."""
+    import transformers
 
-    return Qwen3MoeConfig(
-        vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.moe_ffn_hidden_size * model.moe_topk,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_query_groups,
-        head_dim=model.head_dim,
-        num_experts=model.num_experts,
-        num_experts_per_tok=model.moe_topk,
-        moe_intermediate_size=model.moe_ffn_hidden_size,
-        norm_topk_prob=model.norm_topk_prob,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=model.max_position_embeddings,
-        rms_norm_eps=model.rms_norm_eps,
-        rope_theta=model.rope_theta,
-        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
-        tie_word_embeddings=model.tie_word_embeddings,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        bos_token_id=None,
-        router_aux_loss_coef=0.0,
-        torch_dtype="float32",
-        initializer_range=model.init_std,
-    )
+    fam = family(model)
+    fields = fam.hf_config(model)
+    if fam is QWEN3_MOE:
+        # Qwen3's unused dense width, and no dense layers (mlp_only_layers, decoder_sparse_step)
+        fields.update(intermediate_size=model.moe_ffn_hidden_size * model.moe_topk, decoder_sparse_step=1,
+                      mlp_only_layers=[], router_aux_loss_coef=0.0)
+    return getattr(transformers, fam.config_class)(
+        **fields, max_position_embeddings=model.max_position_embeddings, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, bos_token_id=None, torch_dtype="float32", initializer_range=model.init_std)
 
 
 MARKER = "r3rl_generated.json"
@@ -110,9 +96,9 @@ def _fingerprint(model: ModelConfig) -> dict:
 
 
 def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
-    """Write a random Qwen3-MoE of ``model``'s shape with its tokenizer to ``out_dir``."""
+    """Write a random MoE of ``model``'s family and shape with its tokenizer to ``out_dir``."""
     import torch
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     tokenizer = build_tokenizer(model.vocab_size)
@@ -120,18 +106,56 @@ def generate(model: ModelConfig, out_dir: str | os.PathLike) -> Path:
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     hf_config = build_hf_config(model, eos, pad)
     torch.manual_seed(model.init_seed)
-    net = Qwen3MoeForCausalLM(hf_config).to(torch.float32)
+    net = AutoModelForCausalLM.from_config(hf_config).to(torch.float32)
     # HF zeroes the pad token's embedding row. The engine may still sample that token, and a zero input makes the
     # first RMSNorm divide by sqrt(rms_norm_eps): its embedding gradient grows 1/sqrt(eps) = 1000-fold (the default
     # run's grad norm of 4,189 at step 3). A real checkpoint has no zero row; draw it like every other row.
     row = torch.Generator().manual_seed(model.init_seed)
     with torch.no_grad():
         net.get_input_embeddings().weight[pad].normal_(0.0, model.init_std, generator=row)
+        # HF starts the expert-score correction bias at 0; a trained model's is not, and a zero bias would let a
+        # converter that drops it pass every test
+        for layer in family_bias_modules(net, model):
+            layer.normal_(0.0, 4 * model.init_std, generator=row)
     with atomic_folder(out) as tmp:
         net.save_pretrained(tmp, safe_serialization=True)
+        if model.mtp_layers:
+            add_mtp_layers(tmp, model, row)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(_fingerprint(model), sort_keys=True))
     return out
+
+
+def family_bias_modules(net, model: ModelConfig) -> list:
+    """The expert-score correction bias tensors of a transformers model of ``model``'s family."""
+    fam = family(model)
+    if fam.router_bias is None:
+        return []
+    return [functools.reduce(getattr, fam.router_bias.split("."), layer.mlp)
+            for layer in net.model.layers[model.first_k_dense:]]
+
+
+def add_mtp_layers(folder: Path, model: ModelConfig, generator) -> None:
+    """Append ``model.mtp_layers`` next-token-prediction modules to the saved checkpoint, named as GLM-4.5 and
+    DeepSeek-V3 ship them: ``model.layers.{num_layers + i}.`` with a decoder layer's tensors plus ``eh_proj``,
+    ``enorm``, ``hnorm`` and ``shared_head.norm``. transformers builds no MTP module, so they are drawn here; r3rl
+    never trains or replays them and an export carries them over as they are."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = folder / "model.safetensors"
+    tensors = load_file(str(file))
+    last = f"model.layers.{model.num_layers - 1}."
+    h = model.hidden_size
+    for i in range(model.mtp_layers):
+        mtp = f"model.layers.{model.num_layers + i}."
+        for name, t in list(tensors.items()):
+            if name.startswith(last):
+                tensors[mtp + name[len(last):]] = torch.randn(t.shape, generator=generator) * model.init_std
+        tensors[mtp + "eh_proj.weight"] = torch.randn((h, 2 * h), generator=generator) * model.init_std
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{mtp}{norm}.weight"] = torch.ones(h)
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def ensure_checkpoint(model: ModelConfig) -> Path:

@@ -81,13 +81,14 @@ def rollout_bar(total: int, step: int, *, enabled: bool, file=None, desc: str | 
 class RolloutClient:
     def __init__(self, urls: Sequence[str], *, num_layers: int, topk: int, num_experts: int, routing_replay: bool,
                  max_concurrency: int = 64, request_timeout_s: float = 600.0, on_abort: OnAbort = "regenerate",
-                 progress: bool = True, max_num_seqs: int | None = None) -> None:
+                 progress: bool = True, max_num_seqs: int | None = None, dense_layers: Sequence[int] = ()) -> None:
         if not urls:
             raise ValueError("RolloutClient needs at least one engine URL")
         if on_abort not in ("regenerate", "drop"):
             raise ValueError(f"on_abort={on_abort!r}: expected 'regenerate' or 'drop'")
         self.urls = [u.rstrip("/") for u in urls]
-        self.spec = RouteSpec(num_layers=num_layers, topk=topk, num_experts=num_experts)
+        self.spec = RouteSpec(num_layers=num_layers, topk=topk, num_experts=num_experts,
+                              dense_layers=tuple(dense_layers))
         self.routing_replay = routing_replay
         self.max_concurrency = max_concurrency
         # the engines' --max-num-seqs: vLLM refuses a request whose n exceeds it (HTTP 400)
@@ -130,13 +131,14 @@ class RolloutClient:
     def from_config(cls, cfg, urls: Sequence[str], **kwargs) -> RolloutClient:
         """From a validated ``R3RLConfig`` (model shape, rollout.routing_replay, rollout.engine limits)."""
         from r3rl.config.modes import engine_concurrency
+        from r3rl.config.families import dense_layers
 
         m, eng = cfg.model, cfg.rollout.engine
         kwargs.setdefault("max_concurrency", engine_concurrency(cfg))
         kwargs.setdefault("request_timeout_s", eng.request_timeout_s)
         kwargs.setdefault("max_num_seqs", eng.max_num_seqs)
         return cls(urls, num_layers=m.num_layers, topk=m.moe_topk, num_experts=m.num_experts,
-                   routing_replay=cfg.rollout.routing_replay, **kwargs)
+                   dense_layers=dense_layers(m), routing_replay=cfg.rollout.routing_replay, **kwargs)
 
     # -- generation ---------------------------------------------------------------------------------------------
     async def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *, step: int = 0,

@@ -15,6 +15,7 @@ import secrets
 import httpx
 
 from r3rl.config.schema import SamplingConfig
+from r3rl.models.layers import hf_moe_layers
 from r3rl.platform import version_tuple
 from r3rl.rollout import auth
 from r3rl.rollout.errors import EngineError
@@ -113,7 +114,12 @@ def spec_from_checkpoint(model_dir: str | Path) -> RouteSpec | None:
     layers, topk = hf.get("num_hidden_layers"), hf.get("num_experts_per_tok")
     if not all(isinstance(v, int) for v in (layers, topk, experts)):
         return None
-    return RouteSpec(num_layers=layers, topk=topk, num_experts=experts)
+    try:
+        moe = hf_moe_layers(hf)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return RouteSpec(num_layers=layers, topk=topk, num_experts=experts,
+                     dense_layers=tuple(i for i in range(layers) if i not in moe))
 
 
 def check_launched(url: str, argv: Sequence[str], *, timeout_s: float = 120.0) -> ProbeReport:

@@ -49,11 +49,19 @@ class RoutedExpertsError(ValueError):
 
 @dataclass(frozen=True)
 class RouteSpec:
-    """What the trainer's model needs: layers (HF num_hidden_layers), top-k and the number of routed experts."""
+    """What the trainer's model needs: layers (HF num_hidden_layers, what the engine returns), top-k, the number of
+    routed experts, and the decoder layers with a dense MLP (GLM-4.5's and DeepSeek-V3's leading layers). vLLM
+    returns a row for every decoder layer and leaves a dense layer's at 0; those rows are checked to be 0 and
+    dropped, so a sample's routes hold the MoE layers only, in order (Megatron's routers)."""
 
     num_layers: int
     topk: int
     num_experts: int
+    dense_layers: tuple[int, ...] = ()
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i not in self.dense_layers]
 
     @property
     def dtype(self) -> np.dtype:
@@ -123,10 +131,10 @@ def b64_to_npy_array(payload: object, *, sample_index: int | None = None,
 def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_index: int | None = None,
                  request_id: str | None = None, first_row: int = 0) -> np.ndarray:
     """Validate a decoded ``[rows, L, K]`` array against a sample of ``num_tokens`` tokens whose rows from
-    ``first_row`` on were asked for; returns it narrow.
+    ``first_row`` on were asked for; returns it narrow, over the MoE layers only (``spec.dense_layers`` dropped).
 
     Checks, in the order that gives the most telling message first: integer dtype, 3 dims, rows == T-1-first_row,
-    (L, K), no MoE layer all zero (K > 1), ids < E, K distinct ids per row.
+    (L, K), dense layers all zero, no MoE layer all zero (K > 1), ids < E, K distinct ids per row.
     """
 
     def fail(what: str, expected: object = None, got: object = None, hint: str | None = None) -> RoutedExpertsError:
@@ -147,6 +155,15 @@ def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_in
     if (layers, topk) != (spec.num_layers, spec.topk):
         raise fail("have the wrong (layers, top-k)", (spec.num_layers, spec.topk), (layers, topk),
                    hint="is the engine serving the model the trainer is configured for?")
+    if spec.dense_layers:
+        dense = list(spec.dense_layers)
+        if rows and arr[:, dense].any():
+            routed = [layer for layer in dense if arr[:, layer].any()]
+            raise fail("route tokens in layers the model config makes dense", f"all-zero rows in dense layers {dense}",
+                       f"experts in layers {routed}", hint="the engine's model has MoE blocks where model."
+                       "first_k_dense says dense: every replayed layer would be off by one (verl #5037)")
+        arr = np.ascontiguousarray(arr[:, spec.moe_layers])
+        layers = arr.shape[1]
     if arr.dtype != spec.dtype:
         # a wider (or signed) wire dtype than vLLM's: range-check it before it is narrowed (rare, NumPy is enough)
         if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
@@ -159,7 +176,8 @@ def check_routes(arr: np.ndarray, num_tokens: int, spec: RouteSpec, *, sample_in
     layer_max, has_duplicate = route_scan.scan_routes(arr)
     if topk > 1:
         # K > 1 distinct ids cannot all be 0: an all-zero layer means the capture never ran for it
-        zero_layers = np.flatnonzero(layer_max == 0).tolist()
+        zero_layers = [spec.moe_layers[i] for i in np.flatnonzero(layer_max == 0)] if spec.dense_layers \
+            else np.flatnonzero(layer_max == 0).tolist()
         if zero_layers:
             raise fail("are all zero for MoE layers", "at least one non-zero id per MoE layer",
                        f"layers {zero_layers} all zero", hint="capture not bound, or engine stages not aggregated; "

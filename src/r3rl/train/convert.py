@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core weights for Qwen3-MoE.
+"""HF <-> Megatron-core weights for every family r3rl builds (``r3rl.config.families``).
 
 The mapping works on full (unsharded) tensors; ``shard``/``gather`` move between a full tensor and this rank's
 tensor-parallel slice, and expert ids are offset by the expert-parallel rank. Loading reads only the tensors this
@@ -9,7 +9,12 @@ Layouts (Megatron side):
 - ``linear_qkv`` rows are grouped per query group g: ``[q rows of g's heads; k_g; v_g]``;
 - an expert's ``linear_fc1`` is ``[gate_proj; up_proj]`` (SwiGLU);
 - ``mlp.gate`` -> ``mlp.router``, ``post_attention_layernorm`` -> ``pre_mlp_layernorm``,
-  ``q_norm``/``k_norm`` -> ``q_layernorm``/``k_layernorm``.
+  ``q_norm``/``k_norm`` -> ``q_layernorm``/``k_layernorm``;
+- the qkv bias is fused like the rows it adds to; a dense layer's and the shared experts' ``linear_fc1`` are
+  ``[gate_proj; up_proj]`` like an expert's;
+- the expert-score correction bias is the router's ``expert_bias`` buffer (not a parameter: it is read and written
+  with the parameters here, and streamed to the engines with them).
+MTP modules (``model.layers.{num_layers + i}``) are not built: loading never reads them and an export copies them.
 """
 
 from __future__ import annotations
@@ -27,14 +32,23 @@ from r3rl.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)
-class AttentionShape:
+class HFLayout:
+    """What the mapping needs of a model: the attention's grouping, and the family's HF module names."""
+
     num_heads: int
     num_groups: int
     head_dim: int
+    shared_experts: str | None = None  # under a layer's ``mlp.``
+    router_bias: str | None = None  # under a layer's ``mlp.``
 
     @classmethod
-    def of(cls, model: ModelConfig) -> "AttentionShape":
-        return cls(model.num_attention_heads, model.num_query_groups, model.head_dim)
+    def of(cls, model: ModelConfig) -> "HFLayout":
+        from r3rl.config.families import family
+
+        fam = family(model)
+        return cls(model.num_attention_heads, model.num_query_groups, model.head_dim,
+                   fam.shared_experts if model.num_shared_experts else None,
+                   fam.router_bias if model.expert_bias else None)
 
 
 @dataclass(frozen=True)
@@ -58,15 +72,24 @@ _GLOBAL_KINDS = {
 }
 _LAYER_KINDS = {
     "input_layernorm.weight": "input_norm",
-    # TransformerEngine's spec fuses the input norm into linear_qkv
+    # TransformerEngine's spec fuses the input norm into linear_qkv, and a dense MLP's norm into its linear_fc1
     "self_attention.linear_qkv.layer_norm_weight": "input_norm",
     "self_attention.linear_qkv.weight": "qkv",
+    "self_attention.linear_qkv.bias": "qkv_bias",
     "self_attention.linear_proj.weight": "proj",
     "self_attention.q_layernorm.weight": "q_norm",
     "self_attention.k_layernorm.weight": "k_norm",
     "pre_mlp_layernorm.weight": "pre_mlp_norm",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_norm",
     "mlp.router.weight": "router",
+    "mlp.router.expert_bias": "router_bias",
+    "mlp.linear_fc1.weight": "dense_fc1",
+    "mlp.linear_fc2.weight": "dense_fc2",
+    "mlp.shared_experts.linear_fc1.weight": "shared_fc1",
+    "mlp.shared_experts.linear_fc2.weight": "shared_fc2",
 }
+# kinds whose Megatron tensor is [gate; up] (split per half over tensor parallel)
+GATED = ("fc1", "dense_fc1", "shared_fc1")
 
 
 def parse_name(name: str, layer_numbers: dict[int, int], expert_offset: int) -> ParamRef:
@@ -95,7 +118,7 @@ def _hf_layer(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
-def hf_names(ref: ParamRef) -> list[str]:
+def hf_names(ref: ParamRef, layout: HFLayout) -> list[str]:
     """The HF tensors one Megatron parameter is made of (in concatenation order)."""
     if ref.kind == "embed":
         return ["model.embed_tokens.weight"]
@@ -111,11 +134,20 @@ def hf_names(ref: ParamRef) -> list[str]:
         "k_norm": "self_attn.k_norm.weight",
         "pre_mlp_norm": "post_attention_layernorm.weight",
         "router": "mlp.gate.weight",
+        "dense_fc2": "mlp.down_proj.weight",
     }
     if ref.kind in simple:
         return [p + simple[ref.kind]]
-    if ref.kind == "qkv":
-        return [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]
+    if ref.kind in ("qkv", "qkv_bias"):
+        kind = "weight" if ref.kind == "qkv" else "bias"
+        return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
+    if ref.kind == "router_bias":
+        return [f"{p}mlp.{_named(layout.router_bias, ref)}"]
+    if ref.kind == "dense_fc1":
+        return [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+    if ref.kind in ("shared_fc1", "shared_fc2"):
+        s = f"{p}mlp.{_named(layout.shared_experts, ref)}."
+        return [s + "gate_proj.weight", s + "up_proj.weight"] if ref.kind == "shared_fc1" else [s + "down_proj.weight"]
     e = f"{p}mlp.experts.{ref.expert}."
     if ref.kind == "fc1":
         return [e + "gate_proj.weight", e + "up_proj.weight"]
@@ -124,37 +156,45 @@ def hf_names(ref: ParamRef) -> list[str]:
     raise KeyError(ref.kind)
 
 
-def qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: AttentionShape) -> torch.Tensor:
-    g, d = shape.num_groups, shape.head_dim
-    per_group = shape.num_heads // g
-    hidden = q.shape[1]
-    fused = torch.cat([q.reshape(g, per_group * d, hidden), k.reshape(g, d, hidden), v.reshape(g, d, hidden)], dim=1)
-    return fused.reshape(-1, hidden)
+def _named(name: str | None, ref: ParamRef) -> str:
+    if name is None:
+        raise KeyError(f"{ref}: the model config's family has no such module (model.num_shared_experts / "
+                       "model.expert_bias disagree with the Megatron model)")
+    return name
 
 
-def qkv_to_hf(fused: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: HFLayout) -> torch.Tensor:
+    """Fuse q/k/v weights ``[rows, hidden]`` or biases ``[rows]`` into Megatron's per-group rows."""
     g, d = shape.num_groups, shape.head_dim
     per_group = shape.num_heads // g
-    hidden = fused.shape[1]
-    grouped = fused.reshape(g, (per_group + 2) * d, hidden)
+    rest = tuple(q.shape[1:])
+    fused = torch.cat([q.reshape(g, per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+    return fused.reshape(-1, *rest)
+
+
+def qkv_to_hf(fused: torch.Tensor, shape: HFLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = shape.num_groups, shape.head_dim
+    per_group = shape.num_heads // g
+    rest = tuple(fused.shape[1:])
+    grouped = fused.reshape(g, (per_group + 2) * d, *rest)
     q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def full_from_hf(ref: ParamRef, get: Callable[[str], torch.Tensor], shape: AttentionShape) -> torch.Tensor:
-    parts = [get(n) for n in hf_names(ref)]
-    if ref.kind == "qkv":
+def full_from_hf(ref: ParamRef, get: Callable[[str], torch.Tensor], shape: HFLayout) -> torch.Tensor:
+    parts = [get(n) for n in hf_names(ref, shape)]
+    if ref.kind in ("qkv", "qkv_bias"):
         return qkv_from_hf(*parts, shape)
-    if ref.kind == "fc1":
+    if ref.kind in GATED:
         return torch.cat(parts, dim=0)
     return parts[0]
 
 
-def full_to_hf(ref: ParamRef, full: torch.Tensor, shape: AttentionShape) -> dict[str, torch.Tensor]:
-    names = hf_names(ref)
-    if ref.kind == "qkv":
+def full_to_hf(ref: ParamRef, full: torch.Tensor, shape: HFLayout) -> dict[str, torch.Tensor]:
+    names = hf_names(ref, shape)
+    if ref.kind in ("qkv", "qkv_bias"):
         return dict(zip(names, qkv_to_hf(full, shape)))
-    if ref.kind == "fc1":
+    if ref.kind in GATED:
         return dict(zip(names, full.chunk(2, dim=0)))
     return {names[0]: full}
 
@@ -165,7 +205,7 @@ def shard(full: torch.Tensor, ref: ParamRef, partition_dim: int | None, size: in
     """This rank's slice of a full tensor (``partition_dim`` None: replicated)."""
     if partition_dim is None or size == 1:
         return full
-    if ref.kind == "fc1":
+    if ref.kind in GATED:
         # gate and up are split separately so every rank holds matching halves of both
         return torch.cat([shard(h, ParamRef("plain"), 0, size, rank) for h in full.chunk(2, dim=0)], dim=0)
     length = full.shape[partition_dim]
@@ -178,7 +218,7 @@ def shard(full: torch.Tensor, ref: ParamRef, partition_dim: int | None, size: in
 def unshard(pieces: list[torch.Tensor], ref: ParamRef, partition_dim: int | None) -> torch.Tensor:
     if partition_dim is None or len(pieces) == 1:
         return pieces[0]
-    if ref.kind == "fc1":
+    if ref.kind in GATED:
         halves = [p.chunk(2, dim=0) for p in pieces]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
     return torch.cat(pieces, dim=partition_dim)
@@ -255,10 +295,16 @@ def layer_numbers(model) -> dict[int, int]:
     return {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
 
 
-def _refs(model, info: ShardInfo) -> list[tuple[str, torch.nn.Parameter, ParamRef]]:
+def named_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """The tensors an HF checkpoint holds: every parameter, and the routers' ``expert_bias`` buffers."""
+    buffers = [(n, b) for n, b in model.named_buffers() if n.endswith("mlp.router.expert_bias")]
+    return list(model.named_parameters()) + buffers
+
+
+def _refs(model, info: ShardInfo) -> list[tuple[str, torch.Tensor, ParamRef]]:
     layers = layer_numbers(model)
     offset = info.ep_rank * info.num_local_experts
-    return [(n, p, parse_name(n, layers, offset)) for n, p in model.named_parameters()]
+    return [(n, p, parse_name(n, layers, offset)) for n, p in named_weights(model)]
 
 
 def partition_dim(param: torch.nn.Parameter) -> int | None:
@@ -266,7 +312,7 @@ def partition_dim(param: torch.nn.Parameter) -> int | None:
 
 
 @torch.no_grad()
-def load_hf(model, checkpoint: HFCheckpoint, shape: AttentionShape, info: ShardInfo | None = None) -> int:
+def load_hf(model, checkpoint: HFCheckpoint, shape: HFLayout, info: ShardInfo | None = None) -> int:
     """Copy a HF checkpoint into this rank's bare GPTModel; return the number of parameters loaded."""
     info = info or ShardInfo.current(model)
     count = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,11 +26,13 @@ import torch
 
 from r3rl.train.convert import (
     TOKENIZER_AND_CONFIG,
-    AttentionShape,
+    HFCheckpoint,
+    HFLayout,
     ParamRef,
     ShardInfo,
     full_to_hf,
     layer_numbers,
+    named_weights,
     parse_name,
     partition_dim,
     unshard,
@@ -37,8 +40,8 @@ from r3rl.train.convert import (
 
 # canonical order inside a layer (HF's own file order does not matter to loaders; a fixed one keeps ranks in step)
 _KIND_ORDER = {k: i for i, k in enumerate(
-    ("embed", "input_norm", "qkv", "q_norm", "k_norm", "proj", "pre_mlp_norm", "router", "fc1", "fc2",
-     "final_norm", "output"))}
+    ("embed", "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "proj", "pre_mlp_norm", "dense_fc1", "dense_fc2",
+     "router", "router_bias", "shared_fc1", "shared_fc2", "fc1", "fc2", "final_norm", "output"))}
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def _nbytes(fulls: list[tuple[PlanItem, torch.Tensor]]) -> int:
     return sum(full.numel() * full.element_size() for _, full in fulls)
 
 
-def _hf_meta(ref: ParamRef, full_shape: tuple[int, ...], dtype: torch.dtype, shape: AttentionShape
+def _hf_meta(ref: ParamRef, full_shape: tuple[int, ...], dtype: torch.dtype, shape: HFLayout
              ) -> tuple[TensorMeta, ...]:
     # the mapping run on a meta tensor: names and shapes without touching memory
     pieces = full_to_hf(ref, torch.empty(full_shape, dtype=dtype, device="meta"), shape)
@@ -108,7 +111,7 @@ def _hf_meta(ref: ParamRef, full_shape: tuple[int, ...], dtype: torch.dtype, sha
 class HFBucketStream:
     """Bucketed HF export of a (possibly TP/EP/PP-sharded) bare GPTModel. Construction is collective."""
 
-    def __init__(self, model, shape: AttentionShape, bucket_bytes: int, info: ShardInfo | None = None):
+    def __init__(self, model, shape: HFLayout, bucket_bytes: int, info: ShardInfo | None = None):
         from megatron.core import parallel_state as ps
 
         if bucket_bytes <= 0:
@@ -127,7 +130,7 @@ class HFBucketStream:
         # this rank's parameters by identity; the TP gather runs only in the first replica's TP groups
         self._local: dict[ParamRef, tuple[torch.nn.Parameter, int | None, bool]] = {}
         owned: list[PlanItem] = []
-        for name, param in model.named_parameters():
+        for name, param in named_weights(model):
             ref = parse_name(name, layers, offset)
             expert = ref.kind in ("fc1", "fc2")
             size, tp_rank = info.of(ref)
@@ -268,6 +271,29 @@ class HFBucketStream:
 INDEX = "model.safetensors.index.json"
 
 
+CARRIED_FILE = "model-not-trained.safetensors"
+
+
+def carry_over(source: Path, out: Path) -> dict[str, int]:
+    """Copy the source checkpoint's tensors the trainer does not build (MTP modules, ``model.layers.{i}`` with i >=
+    num_hidden_layers) into ``out`` unchanged, so an export loads wherever the source did (vLLM's MTP speculative
+    decoding included). Returns name -> bytes of what was copied."""
+    from safetensors.torch import save_file
+
+    try:
+        layers = int(json.loads((source / "config.json").read_text())["num_hidden_layers"])
+        source_ckpt = HFCheckpoint(source)
+    except (OSError, ValueError, KeyError):  # no HF folder to carry from (a test's bare model)
+        return {}
+    names = [n for n in source_ckpt.keys()
+             if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= layers]
+    if not names:
+        return {}
+    tensors = {n: source_ckpt.get(n).contiguous() for n in names}
+    save_file(tensors, str(out / CARRIED_FILE), metadata={"format": "pt"})
+    return {n: t.numel() * t.element_size() for n, t in tensors.items()}
+
+
 def shard_file(rank: int, bucket: int) -> str:
     return f"model-rank{rank:05d}-bucket{bucket:05d}.safetensors"
 
@@ -313,7 +339,9 @@ def write_hf(stream: HFBucketStream, out_dir: str | os.PathLike, source_dir: str
         raise OSError("; ".join(failures))
     if rank == 0:
         merged = {k: v for m, _ in parts for k, v in m.items()}
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": stream.total_bytes},
+        carried = carry_over(Path(source_dir), tmp)
+        merged.update({name: CARRIED_FILE for name in carried})
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": stream.total_bytes + sum(carried.values())},
                                              "weight_map": dict(sorted(merged.items()))}, indent=2))
         src = Path(source_dir)
         for name in TOKENIZER_AND_CONFIG:

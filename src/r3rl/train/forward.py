@@ -29,7 +29,7 @@ class ForwardPasses:
         if not required and any(s.routed_experts is None for s in samples):
             return None
         m = self.cfg.model
-        return [check_routes(s.routed_experts, sample=i, num_tokens=s.num_tokens, num_layers=m.num_layers,
+        return [check_routes(s.routed_experts, sample=i, num_tokens=s.num_tokens, num_layers=m.num_moe_layers,
                              topk=m.moe_topk, num_experts=m.num_experts, request_id=s.request_id)
                 for i, s in enumerate(samples)]
 
@@ -118,7 +118,7 @@ class ForwardPasses:
         routes = probe_routes
         mbs = self._micro_batches(samples, indices, self.cfg.trainer.micro_batch_size, routes=routes)
         results: dict[int, np.ndarray] = {}
-        probe = RouteProbe(driver_routers, self.cfg.model.num_layers, self.layout, routes,
+        probe = RouteProbe(driver_routers, self.cfg.model.num_moe_layers, self.layout, routes,
                            [s.loss_mask for s in samples], trace=replay and self.cfg.debug.route_trace,
                            soft_ratio=self.soft_ratio, unit_roundoff=self.engine_unit_roundoff
                            ) if (driver_routers and routes is not None) else None
@@ -200,7 +200,7 @@ class ForwardPasses:
         t = counts.as_tensor().to(self.device)
         layer_groups = [self._ps.get_pipeline_model_parallel_group()] if self.pipelined else []
         return ProbeCounts.from_tensor(collect.sum_over(t, self._row_groups() + layer_groups),
-                                       self.cfg.model.num_layers, self.cfg.model.num_experts)
+                                       self.cfg.model.num_moe_layers, self.cfg.model.num_experts)
 
     def _reduce_sums(self, values: torch.Tensor) -> torch.Tensor:
         """Loss-token statistics: summed over data/context parallel on the last stage, shared with every stage."""

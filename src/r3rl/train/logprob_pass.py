@@ -33,7 +33,8 @@ class LogprobResult:
     recorded_routes: list[np.ndarray] | None = None
     flip_per_layer_prompt: np.ndarray | None = None  # float [L]: the same over the prompt rows (0 .. P-2)
     # float [L] each, over the response rows, from the router's own logits: the mean margin (k-th minus (k+1)-th
-    # logit), the share of rows with a small one, and the expert load's MaxVio (max load / mean load - 1)
+    # selection score: the logit of a softmax router, sigmoid + bias of a sigmoid one), the share of rows with a
+    # small one, and the expert load's MaxVio (max load / mean load - 1)
     margin_per_layer: np.ndarray | None = None
     small_margin_per_layer: np.ndarray | None = None
     load_max_vio_per_layer: np.ndarray | None = None
@@ -73,14 +74,14 @@ class LogprobPasses(ForwardPasses):
         if record and replay:
             raise ValueError("logprobs: record the trainer's own routes in an unreplayed pass (replay=False)")
         if not samples:
-            return LogprobResult([], np.full(self.cfg.model.num_layers, np.nan), None, 0)
+            return LogprobResult([], np.full(self.cfg.model.num_moe_layers, np.nan), None, 0)
         routes = self._validated_routes(samples, required=replay)
         kept: dict | None = {} if record else None
         local, probe = self._forward_only(self.model, samples, replay=replay, probe_routes=routes,
                                           driver_routers=self.routers, recorded=kept)
         logprobs = collect.merge_by_index(local, len(samples), "log-probs")
         own = self._merge_recorded(samples, kept) if record else None
-        num_layers = self.cfg.model.num_layers
+        num_layers = self.cfg.model.num_moe_layers
         if probe is None:
             return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0, own)
         counts = self._reduce_counts(probe.counts)
@@ -142,7 +143,7 @@ class LogprobPasses(ForwardPasses):
         from r3rl.sample import routes_dtype
 
         m = self.cfg.model
-        return collect.merge_routes(local, [s.num_tokens - 1 for s in samples], m.num_layers, m.moe_topk,
+        return collect.merge_routes(local, [s.num_tokens - 1 for s in samples], m.num_moe_layers, m.moe_topk,
                                     routes_dtype(m.num_experts))
 
     def reference_logprobs(self, samples: Sequence[Sample]) -> list[np.ndarray]:

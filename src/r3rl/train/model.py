@@ -1,8 +1,9 @@
-"""The Megatron-core GPTModel of a Qwen3-MoE, built from ``plan.megatron_config`` (the single source of its settings).
+"""The Megatron-core GPTModel of a MoE family, built from ``plan.megatron_config`` (the single source of its settings).
 
-Qwen3-MoE in Megatron terms: RMSNorm, q/k RMSNorm per head, SwiGLU experts, a softmax router over the top-k logits
-(``norm_topk_prob=True`` = post-softmax), rotary base 1e6, untied embeddings. The CPU compat layer only adds the
-settings a CPU needs; GPU runs get Megatron as configured.
+Every family in Megatron terms: RMSNorm, SwiGLU experts and dense MLPs, RoPE (partial for GLM-4.5), untied
+embeddings; the router, q/k norms, qkv bias, shared experts and dense prefix as the family says
+(``r3rl.config.families``). The CPU compat layer only adds the settings a CPU needs; GPU runs get Megatron as
+configured.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from r3rl.plan import megatron_config
 from r3rl.train import hardware, te_fallback
 
 # Keys of plan.megatron_config that belong to GPTModel / DDP rather than TransformerConfig.
-MODEL_KEYS = ("vocab_size", "max_sequence_length", "untie_embeddings_and_output_weights", "rotary_base")
+MODEL_KEYS = ("vocab_size", "max_sequence_length", "untie_embeddings_and_output_weights", "rotary_base",
+              "rotary_percent")
 DDP_KEYS = ("use_distributed_optimizer",)
 
 ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
@@ -33,6 +35,7 @@ class ModelSettings:
     max_sequence_length: int
     untie_embeddings: bool
     rotary_base: float
+    rotary_percent: float
     use_distributed_optimizer: bool
     dtype: torch.dtype
 
@@ -73,6 +76,7 @@ def model_settings(cfg: R3RLConfig, *, replay: bool | None = None) -> ModelSetti
         max_sequence_length=model["max_sequence_length"],
         untie_embeddings=model["untie_embeddings_and_output_weights"],
         rotary_base=model["rotary_base"],
+        rotary_percent=model["rotary_percent"],
         use_distributed_optimizer=ddp["use_distributed_optimizer"],
         dtype=dtype,
     )
@@ -89,17 +93,17 @@ def transformer_config(settings: ModelSettings):
 
 
 def layer_spec(config):
+    """Megatron's decoder block spec: a dense MLP in the leading layers ``moe_layer_freq`` marks 0 (GLM-4.5,
+    DeepSeek-V3), a MoE block in the others, each with the model's own q/k norms and qkv bias from ``config``."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if gpt_layer_specs.HAVE_TE and not hardware.cpu_active():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True,
-        normalization="RMSNorm")
-    # the local attention with a packed (THD) path, which TE's attention has natively, fused on CUDA
-    spec.submodules.self_attention.submodules.core_attention = te_fallback.local_core_attention()
-    return spec
+    use_te = gpt_layer_specs.HAVE_TE and not hardware.cpu_active()
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if not use_te:
+        # the local attention with a packed (THD) path, which TE's attention has natively, fused on CUDA
+        for spec in block.layer_specs:
+            spec.submodules.self_attention.submodules.core_attention = te_fallback.local_core_attention()
+    return block
 
 
 def build_gpt(settings: ModelSettings, device: torch.device):
@@ -119,6 +123,7 @@ def build_gpt(settings: ModelSettings, device: torch.device):
         share_embeddings_and_output_weights=not settings.untie_embeddings,
         position_embedding_type="rope",
         rotary_base=settings.rotary_base,
+        rotary_percent=settings.rotary_percent,
     )
     return model.to(device)
 
@@ -144,3 +149,13 @@ def routers(model) -> list:
 
     found = [m for m in model.modules() if isinstance(m, TopKRouter)]
     return sorted(found, key=lambda r: r.layer_number)
+
+
+def route_column(router) -> int:
+    """The column of a sample's routes (MoE layers only, in order) this router replays: its 0-based decoder layer
+    less the dense layers before it (``moe_layer_freq`` 0). Reading ``layer_number - 1`` instead replays every
+    layer after a dense one with the next layer's routes (verl #5037)."""
+    config = router.config
+    freq = config.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+    return sum(pattern[: router.layer_number - 1])

@@ -195,7 +195,7 @@ class PolicySteps(LogprobPasses):
         if metrics["rejected_steps"]:  # every token out of the loss: no forward ran (on any rank), the weights stand
             return self.logprobs(samples, replay=replay), metrics
         logprobs = collect.merge_by_index(kept, len(samples), "log-probs of the training forward")
-        num_layers = self.cfg.model.num_layers
+        num_layers = self.cfg.model.num_moe_layers
         if not replay:
             return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0), metrics
         mismatches = int(metrics["replay_mismatch_rows"])
@@ -215,7 +215,7 @@ class PolicySteps(LogprobPasses):
         routes = self._validated_routes(samples, required=True) if replay else None
         per_token = self._per_token_inputs(samples, advantages, old_logprobs, replay, is_weights, loss_masks,
                                            pi_old_from_forward=pi_old is not None)
-        probe = RouteProbe(self.routers, self.cfg.model.num_layers, self.layout, routes,
+        probe = RouteProbe(self.routers, self.cfg.model.num_moe_layers, self.layout, routes,
                            [s.loss_mask for s in samples], soft_ratio=self.soft_ratio
                            ) if replay and not self.pipelined else None
         totals = torch.zeros(8, dtype=torch.float64)

@@ -24,6 +24,7 @@ from r3rl import metrics as M
 from r3rl import route_trace
 from r3rl.train.batch import MicroBatch
 from r3rl.train.layout import TokenLayout
+from r3rl.train.model import route_column
 from r3rl.train.routes import PackedRoutes
 
 
@@ -55,6 +56,28 @@ def probs_from_logits(logits: torch.Tensor, router_config) -> torch.Tensor:
     if router_config.moe_router_score_function == "sigmoid":
         return torch.sigmoid(logits.float())
     return torch.nn.functional.softplus(logits.float()).sqrt()
+
+
+def selection_scores(logits: torch.Tensor, router) -> torch.Tensor:
+    """What a Megatron router ranks experts by, from its logits ``[N, E]``: the logits of a softmax router (the
+    softmax keeps their order), a sigmoid router's scores plus its expert-score correction bias, and outside the
+    ``moe_router_group_topk`` best groups -inf (DeepSeek-V3's group-limited top-k: a group scores the sum of its
+    top ``topk / group_topk``). The route probe's own top-k and margins are taken over these; ranking a biased router
+    by its logits would count every bias-decided pick as a flip."""
+    config = router.config
+    if config.moe_router_score_function != "sigmoid":
+        return logits.float()
+    scores = torch.sigmoid(logits.float())
+    if getattr(router, "expert_bias", None) is not None:
+        scores = scores + router.expert_bias.float()
+    groups = config.moe_router_num_groups or 1
+    if groups > 1:
+        per_group = scores.view(scores.shape[0], groups, -1)
+        group_scores = per_group.topk(config.moe_router_topk // config.moe_router_group_topk, dim=-1).values.sum(-1)
+        chosen = group_scores.topk(config.moe_router_group_topk, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+        scores = per_group.masked_fill(~keep[..., None], float("-inf")).view(scores.shape[0], -1)
+    return scores
 
 
 def selection_probs(scores: torch.Tensor, router_config) -> torch.Tensor:
@@ -152,12 +175,12 @@ class ReplayDriver:
 
     @property
     def layers(self) -> list[int]:
-        """Global 0-based layer of each local router."""
-        return [r.layer_number - 1 for r in self.routers]
+        """The route column (MoE layer index) of each local router."""
+        return [route_column(r) for r in self.routers]
 
     def arm(self, routes: PackedRoutes, device: torch.device) -> None:
         for router in self.routers:
-            target = routes.layer_targets(router.layer_number - 1, device)
+            target = routes.layer_targets(route_column(router), device)
             router.router_replay.set_target_indices(target)
             router.router_replay.set_router_replay_action(self._actions.REPLAY_FORWARD)
 
@@ -176,8 +199,8 @@ class ReplayDriver:
             router.router_replay.set_router_replay_action(self._actions.RECORD)
 
     def recorded(self) -> dict[int, torch.Tensor]:
-        """Global 0-based layer -> the ``[rows, K]`` top-k each local router recorded in the last forward."""
-        return {r.layer_number - 1: r.router_replay.get_recorded_indices() for r in self.routers}
+        """Route column -> the ``[rows, K]`` top-k each local router recorded in the last forward."""
+        return {route_column(r): r.router_replay.get_recorded_indices() for r in self.routers}
 
     def pending(self) -> int:
         """Targets queued for backward replay and not yet consumed, over all local layers."""
@@ -386,7 +409,7 @@ class RouteProbe:
         exp = self._expected
         if exp is None:
             return
-        layer = router.layer_number - 1
+        layer = route_column(router)
         hidden = args[0]
         with torch.no_grad():
             experts, k = self.num_experts, router.topk
@@ -394,8 +417,8 @@ class RouteProbe:
             acc = self._accumulators(logits.device)
             rows, routes, response, prompt = exp.on(logits.device)
             rollout = routes[:, layer]
-            # the top k+1 logits carry the router's own top-k and its margin (k-th minus (k+1)-th logit)
-            top = torch.topk(logits[rows].float(), min(k + 1, experts), dim=-1)
+            # the top k+1 selection scores carry the router's own top-k and its margin (k-th minus (k+1)-th)
+            top = torch.topk(selection_scores(logits[rows], router), min(k + 1, experts), dim=-1)
             own = top.indices[:, :k]
             flipped = ~_same_sets(own, rollout)
             self._host.routed_rows[layer] += int(exp.response.sum())

@@ -55,8 +55,8 @@ class MegatronTrainer(PolicySteps, Checkpointing):
         self.replay_enabled = bool(self.settings.transformer.get("moe_enable_routing_replay"))
         if self.replay_enabled:
             check_megatron_api()
-        self.attention = convert.AttentionShape.of(cfg.model)
-        self.route_shape = RouteShape(cfg.model.num_layers, cfg.model.moe_topk, cfg.model.num_experts)
+        self.attention = convert.HFLayout.of(cfg.model)
+        self.route_shape = RouteShape(cfg.model.num_moe_layers, cfg.model.moe_topk, cfg.model.num_experts)
         self.source = self._ensure_checkpoint()
 
         self.bare = model_lib.build_gpt(self.settings, self.device)

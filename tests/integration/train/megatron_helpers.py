@@ -42,20 +42,28 @@ def with_routes(samples: list[Sample], routes: list[np.ndarray]) -> list[Sample]
 
 
 class HFReference:
-    """transformers' Qwen3-MoE on the same checkpoint: response log-probs and each layer's top-k per token."""
+    """transformers' own model on the same checkpoint (any family): response log-probs and, per MoE layer in order,
+    the top-k its router chose for each token (each ``mlp.gate`` returns logits, weights and indices; GLM-4.5's
+    picks on sigmoid scores plus the correction bias, so the indices are read, not recomputed from the logits)."""
 
     def __init__(self, folder, topk: int):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         self.topk = topk
+        self._chosen: list[torch.Tensor] = []
+        for layer in self.model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if isinstance(gate, torch.nn.Module):  # a dense layer's mlp.gate_proj is not one
+                gate.register_forward_hook(lambda _m, _i, out: self._chosen.append(out[2]))
 
     @torch.no_grad()
     def run(self, sample: Sample) -> tuple[np.ndarray, np.ndarray]:
         ids = torch.from_numpy(sample.tokens.astype(np.int64))[None]
-        out = self.model(ids, output_router_logits=True)
+        self._chosen.clear()
+        out = self.model(ids)
         logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)
         p = len(sample.prompt_ids)
         response = logprobs[p - 1:-1].gather(1, ids[0, p:, None])[:, 0].numpy()
-        routes = torch.stack([torch.topk(x, self.topk, dim=-1).indices for x in out.router_logits], dim=1)
+        routes = torch.stack(self._chosen, dim=1)
         return response, routes[:-1].numpy().astype(np.uint8)

@@ -20,15 +20,19 @@ EVAL_SAMPLE = Path(__file__).parent / "data" / "math_eval_sample.jsonl"
 YAMLS = sorted(p for p in CONF_DIR.rglob("*.yaml") if "hydra" not in p.relative_to(CONF_DIR).parts)
 
 
+GPU_LAYOUT = {"qwen3_30b": ["parallelism=disaggregated_4p4"], "glm45_air": ["experiment=glm45_air_r3_2n"]}
+
+
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def overrides_for(group: str, option: str) -> list[str]:
-    """A valid combination around one option: GPU layouts for the 30B model, GPU model for GPU layouts is not needed."""
+    """A valid combination around one option: GPU layouts for the real models, GPU model for GPU layouts is not
+    needed."""
     ov = [f"{group}={option}"]
-    if group == "model" and option == "qwen3_30b":
-        ov.append("parallelism=disaggregated_4p4")
+    if group == "model" and option in GPU_LAYOUT:
+        ov += GPU_LAYOUT[option]
     elif group != "parallelism":
         ov.append("parallelism=cpu")
     if group == "eval" and option != "arithmetic":

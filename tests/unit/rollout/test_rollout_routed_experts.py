@@ -225,3 +225,32 @@ def test_fortran_order_npy_is_read_correctly():
     np.save(buf, np.asfortranarray(arr))
     out = b64_to_npy_array(base64.b64encode(buf.getvalue()).decode())
     np.testing.assert_array_equal(out, arr)
+
+
+DENSE_FIRST = RouteSpec(num_layers=4, topk=2, num_experts=8, dense_layers=(0,))
+
+
+def test_dense_prefix_rows_are_checked_zero_and_dropped():
+    """vLLM returns a row for every decoder layer and leaves a dense layer's at 0 (GLM-4.5, DeepSeek-V3): the sample
+    keeps the MoE layers only, in order (Megatron's routers); fails if the dense rows were kept (every layer would
+    be replayed one off, verl #5037) or dropped at the wrong end."""
+    moe = valid(5, layers=3)
+    engine = np.concatenate([np.zeros((5, 1, 2), np.uint8), moe], axis=1)
+    got = decode(engine, 6, DENSE_FIRST)
+    assert got.shape == (5, 3, 2) and np.array_equal(got, moe) and got.flags.c_contiguous
+
+
+def test_dense_layer_with_experts_is_refused_naming_the_layers():
+    """The engine's model routes a layer the model config makes dense: its layer map and the trainer's disagree."""
+    engine = valid(5, layers=4)
+    with pytest.raises(RoutedExpertsError, match=r"sample 7 \(request req-7\).*dense.*experts in layers \[0\]"):
+        decode(engine, 6, DENSE_FIRST)
+
+
+def test_all_zero_moe_layer_is_named_by_its_decoder_layer():
+    """A MoE layer whose capture never ran is reported by its decoder layer (2), not its position among the MoE
+    layers (1)."""
+    engine = np.concatenate([np.zeros((5, 1, 2), np.uint8), valid(5, layers=3)], axis=1)
+    engine[:, 2] = 0
+    with pytest.raises(RoutedExpertsError, match=r"layers \[2\] all zero"):
+        decode(engine, 6, DENSE_FIRST)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3rl.train.convert import (AttentionShape, ParamRef, full_from_hf, full_to_hf, hf_names, parse_name,
+from r3rl.train.convert import (HFLayout, ParamRef, full_from_hf, full_to_hf, hf_names, parse_name,
                                 qkv_from_hf, qkv_to_hf, shard, unshard)
 
-SHAPE = AttentionShape(num_heads=4, num_groups=2, head_dim=3)
+SHAPE = HFLayout(num_heads=4, num_groups=2, head_dim=3)
+GLM = HFLayout(num_heads=4, num_groups=2, head_dim=3, shared_experts="shared_experts",
+               router_bias="gate.e_score_correction_bias")
 HIDDEN = 5
 
 
@@ -32,27 +34,52 @@ def test_parse_names_of_both_layer_specs():
     assert parse_name("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", layers, 0) == \
         ParamRef("input_norm", 6)
     assert parse_name("output_layer.weight", layers, 0) == ParamRef("output")
-    with pytest.raises(KeyError, match="expert_bias"):
-        parse_name("decoder.layers.0.mlp.router.expert_bias", layers, 0)
+    assert parse_name("decoder.layers.0.mlp.router.expert_bias", layers, 0) == ParamRef("router_bias", 6)
+    assert parse_name("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", layers, 0) == ParamRef("pre_mlp_norm", 7)
+    with pytest.raises(KeyError, match="local_tokens_per_expert"):
+        parse_name("decoder.layers.0.mlp.router.local_tokens_per_expert", layers, 0)
 
 
 def test_every_kind_round_trips_through_hf_names():
     refs = [ParamRef("embed"), ParamRef("final_norm"), ParamRef("output"), ParamRef("input_norm", 2),
-            ParamRef("qkv", 2), ParamRef("proj", 2), ParamRef("q_norm", 2), ParamRef("k_norm", 2),
-            ParamRef("pre_mlp_norm", 2), ParamRef("router", 2), ParamRef("fc1", 2, 5), ParamRef("fc2", 2, 5)]
-    shapes = {"q_proj": (12, HIDDEN), "k_proj": (6, HIDDEN), "v_proj": (6, HIDDEN)}
+            ParamRef("qkv", 2), ParamRef("qkv_bias", 2), ParamRef("proj", 2), ParamRef("q_norm", 2),
+            ParamRef("k_norm", 2), ParamRef("pre_mlp_norm", 2), ParamRef("router", 2), ParamRef("router_bias", 2),
+            ParamRef("fc1", 2, 5), ParamRef("fc2", 2, 5), ParamRef("dense_fc1", 0), ParamRef("dense_fc2", 0),
+            ParamRef("shared_fc1", 2), ParamRef("shared_fc2", 2)]
+    shapes = {("q_proj", "weight"): (12, HIDDEN), ("k_proj", "weight"): (6, HIDDEN), ("v_proj", "weight"): (6, HIDDEN),
+              ("q_proj", "bias"): (12,), ("k_proj", "bias"): (6,), ("v_proj", "bias"): (6,),
+              ("gate", "e_score_correction_bias"): (8,)}
     store = {}
     for ref in refs:
-        for name in hf_names(ref):
-            key = name.split(".")[-2]
+        for name in hf_names(ref, GLM):
+            key = tuple(name.split(".")[-2:])
             store[name] = torch.randn(shapes.get(key, (4, HIDDEN)))
     for ref in refs:
-        full = full_from_hf(ref, store.__getitem__, SHAPE)
-        back = full_to_hf(ref, full, SHAPE)
-        assert set(back) == set(hf_names(ref))
+        full = full_from_hf(ref, store.__getitem__, GLM)
+        back = full_to_hf(ref, full, GLM)
+        assert set(back) == set(hf_names(ref, GLM))
         assert all(torch.equal(back[n], store[n]) for n in back)
-    assert hf_names(ParamRef("pre_mlp_norm", 2)) == ["model.layers.2.post_attention_layernorm.weight"]
-    assert hf_names(ParamRef("router", 2)) == ["model.layers.2.mlp.gate.weight"]
+    assert hf_names(ParamRef("pre_mlp_norm", 2), SHAPE) == ["model.layers.2.post_attention_layernorm.weight"]
+    assert hf_names(ParamRef("router", 2), SHAPE) == ["model.layers.2.mlp.gate.weight"]
+    assert hf_names(ParamRef("router_bias", 2), GLM) == ["model.layers.2.mlp.gate.e_score_correction_bias"]
+    assert hf_names(ParamRef("shared_fc2", 1), GLM) == ["model.layers.1.mlp.shared_experts.down_proj.weight"]
+    assert hf_names(ParamRef("dense_fc1", 0), GLM) == ["model.layers.0.mlp.gate_proj.weight",
+                                                       "model.layers.0.mlp.up_proj.weight"]
+    # a Qwen3-MoE has neither: a Megatron model built with them is refused, naming the config
+    with pytest.raises(KeyError, match="expert_bias"):
+        hf_names(ParamRef("router_bias", 2), SHAPE)
+
+
+def test_qkv_bias_fuses_per_group_like_its_rows():
+    """The bias of a fused qkv row is the bias of the HF row it came from; fails if biases were concatenated
+    [q; k; v] instead of interleaved per query group (GLM-4.5's attention_bias)."""
+    q, k, v = (torch.randn(n, HIDDEN) for n in (12, 6, 6))
+    qb, kb, vb = torch.randn(12), torch.randn(6), torch.randn(6)
+    fused, fused_bias = qkv_from_hf(q, k, v, SHAPE), qkv_from_hf(qb, kb, vb, SHAPE)
+    rows = torch.cat([q, k, v]), torch.cat([qb, kb, vb])
+    for i in range(fused.shape[0]):
+        j = int(((rows[0] - fused[i]).abs().sum(-1) == 0).nonzero()[0])
+        assert fused_bias[i] == rows[1][j]
 
 
 @pytest.mark.parametrize("kind, dim", [("fc1", 0), ("proj", 1), ("qkv", 0)])

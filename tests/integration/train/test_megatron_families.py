@@ -1,0 +1,114 @@
+"""GLM-4.5 (``model=tiny_glm4_moe``) on the real Megatron trainer against transformers' own forward of the same
+checkpoint: a dense first layer, a shared expert, a sigmoid router whose non-zero correction bias decides picks,
+routed_scaling_factor 2.5, partial RoPE, qkv bias, and an MTP layer in the checkpoint that is never built."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_helpers import HFReference, build_samples, with_routes
+from test_megatron_convert import read_all
+
+GLM = ["model=tiny_glm4_moe", "parallelism=cpu", "algorithm.global_batch_size=8", "trainer.micro_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def glm_dir():
+    from r3rl.config import compose
+    from r3rl.models.tiny_moe import ensure_checkpoint
+
+    return ensure_checkpoint(compose(GLM).model)
+
+
+@pytest.fixture(scope="module")
+def glm(glm_dir):
+    from r3rl.config import compose
+    from r3rl.train.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(compose(GLM))
+    yield trainer
+    trainer.shutdown()
+
+
+@pytest.fixture(scope="module")
+def glm_reference(glm_dir):
+    ref = HFReference(glm_dir, topk=2)
+    samples = build_samples(8, 33)
+    logprobs, routes = zip(*(ref.run(s) for s in samples))
+    return samples, list(logprobs), list(routes)
+
+
+def test_glm_layers_are_the_family_s(glm):
+    """Megatron builds what GLM-4.5 is: routers on layers 2-4 only (1-based), replay column 0 on the first of them;
+    fails if the dense prefix is built as MoE (moe_layer_freq dropped) or the family's router settings are lost."""
+    from r3rl.train.model import route_column
+
+    config = glm.bare.config
+    assert [r.layer_number for r in glm.routers] == [2, 3, 4]
+    assert [route_column(r) for r in glm.routers] == [0, 1, 2]
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    assert config.moe_router_bias_update_rate == 0.0  # held fixed during RL
+    assert config.moe_router_topk_scaling_factor == 2.5 and config.moe_shared_expert_intermediate_size == 64
+    assert config.add_qkv_bias and not config.qk_layernorm
+    assert glm.bare.rotary_pos_emb.inv_freq.numel() == 32 * 0.5 / 2  # half of each head rotates
+    assert all(float(r.expert_bias.abs().sum()) > 0 for r in glm.routers)  # the checkpoint's bias, loaded
+
+
+def test_glm_round_trip_is_exact_with_bias_and_mtp(glm, glm_dir, tmp_path):
+    """Export equals the checkpoint bit for bit, the correction bias (a router buffer, not a parameter) and the MTP
+    layer (carried over, never built) included; fails if ``named_weights`` leaves the buffers out or
+    ``carry_over`` drops the MTP tensors."""
+    out = glm.export_hf(tmp_path / "export")
+    source, exported = read_all(glm_dir), read_all(out)
+    assert any(".e_score_correction_bias" in n for n in source) and any("layers.4.eh_proj" in n for n in source)
+    assert source.keys() == exported.keys()
+    for name, tensor in source.items():
+        assert exported[name].dtype == tensor.dtype and bool((exported[name] == tensor).all()), name
+
+
+def test_glm_routes_and_logprobs_match_transformers(glm, glm_reference):
+    """Per MoE layer, Megatron's own top-k equals transformers' on every token (bias-decided picks included), the
+    route probe counts no flip, and log-probs agree in float32 with and without replaying those routes (0 replay
+    mismatches); fails if the bias, scaling factor, shared expert, partial RoPE or qkv bias were lost in the
+    Megatron config or the conversion, or the probe ranked a biased router by its logits."""
+    samples, hf_logprobs, hf_routes = glm_reference
+    own = glm.record_routes(samples)
+    for i, (mine, theirs) in enumerate(zip(own, hf_routes)):
+        assert mine.shape == theirs.shape == (samples[i].num_tokens - 1, 3, 2)
+        assert np.array_equal(np.sort(mine, axis=-1), np.sort(theirs, axis=-1)), f"sample {i}"
+    live = glm.logprobs(with_routes(samples, hf_routes), replay=False)
+    assert max(np.abs(a - b).max() for a, b in zip(live.logprobs, hf_logprobs)) < 1e-5
+    assert np.array_equal(live.flip_per_layer, np.zeros(3))
+    replayed = glm.logprobs(with_routes(samples, hf_routes), replay=True)
+    assert replayed.replayed_routes_match and replayed.replay_mismatch_rows == 0
+    assert max(np.abs(a - b).max() for a, b in zip(replayed.logprobs, hf_logprobs)) < 1e-5
+
+
+def test_glm_replay_off_by_one_layer_is_caught(glm, glm_reference, monkeypatch):
+    """The control of the layer map: with every router handed the next MoE layer's routes (the dense prefix read as
+    MoE, verl #5037), replayed log-probs leave transformers' by far more than float32 noise."""
+    from r3rl.train import replay as replay_lib
+
+    samples, hf_logprobs, hf_routes = glm_reference
+    right = replay_lib.route_column
+    monkeypatch.setattr(replay_lib, "route_column", lambda r: (right(r) + 1) % 3)
+    shifted = glm.logprobs(with_routes(samples, hf_routes), replay=True)
+    assert max(np.abs(a - b).max() for a, b in zip(shifted.logprobs, hf_logprobs)) > 1e-3
+
+
+def test_glm_bias_dropped_in_conversion_is_caught(glm_dir, glm_reference, monkeypatch):
+    """The control of the bias: a converter that loads parameters only (the correction bias stays 0) routes other
+    experts than transformers on the same checkpoint."""
+    from r3rl.config import compose
+    from r3rl.train import convert
+    from r3rl.train.trainer import MegatronTrainer
+
+    monkeypatch.setattr(convert, "named_weights", lambda model: list(model.named_parameters()))
+    samples, _, hf_routes = glm_reference
+    trainer = MegatronTrainer(compose(GLM))
+    try:
+        own = trainer.record_routes(samples)
+    finally:
+        trainer.shutdown()
+    assert any(not np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1)) for a, b in zip(own, hf_routes))
