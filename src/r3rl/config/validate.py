@@ -253,6 +253,13 @@ def validate(cfg: R3RLConfig) -> None:
     check(0.0 <= cfg.replay.soft_ratio <= 1.0, "replay.soft_ratio",
           f"must be in [0, 1] (0 keeps every replayed expert, 1 none the trainer would not pick), got "
           f"{cfg.replay.soft_ratio}")
+    # soft replay keeps a replayed expert by the trainer's own probability of it; a sigmoid router with a correction
+    # bias or groups selects by other scores (r3rl.train.replay.check_soft_replay_router, at build, says the same)
+    check(cfg.replay.name != "soft" or (m.router_score_function == "softmax" and not m.expert_bias
+                                        and m.router_num_groups == 1), "replay",
+          f"replay=soft filters by a softmax router's probabilities; model={m.name} routes on "
+          f"{m.router_score_function} scores{' plus a correction bias' if m.expert_bias else ''}"
+          f"{' within groups' if m.router_num_groups > 1 else ''}: use replay=r3 (exact for every router)")
     check(cfg.replay.no_replay_every >= 1, "replay.no_replay_every",
           f"must be >= 1, got {cfg.replay.no_replay_every}")
     corr = cfg.correction

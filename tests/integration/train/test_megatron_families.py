@@ -112,3 +112,30 @@ def test_glm_bias_dropped_in_conversion_is_caught(glm_dir, glm_reference, monkey
     finally:
         trainer.shutdown()
     assert any(not np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1)) for a, b in zip(own, hf_routes))
+
+
+def test_glm_router_gradients_under_replay_equal_the_unreplayed(glm, monkeypatch):
+    """GLM-4.5's sigmoid router with its bias: replaying the routers' own routes gives every gradient, the routers'
+    included, of the pass without replay. With a correction bias Megatron asks the replay for indices only and
+    gathers the weights from the bias-free sigmoid scores itself (``topk_routing_with_score_function``), so the
+    #79 fault as it strikes a softmax router (weights from scores cut from the graph inside ``get_replay_topk``,
+    planted in test_megatron_replay, where it zeroes the routers' gradients) cannot reach this path: planted here, it
+    leaves every gradient as it was. Fails if Megatron starts taking a biased router's weights from the replay."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    samples = build_samples(8, 5, lengths=(7, 6))
+    samples = with_routes(samples, glm.record_routes(samples))
+    adv = np.linspace(-1.0, 1.0, len(samples))
+    live = glm.gradients(samples, adv, replay=False)["grads"]
+    replayed = glm.gradients(samples, adv, replay=True)["grads"]
+    routers = [n for n in live if n.endswith("mlp.router.weight")]
+    assert len(routers) == 3 and all(float(live[n].abs().sum()) > 0 for n in routers)
+    worst = {n: float((live[n] - replayed[n]).abs().max() / live[n].abs().max().clamp_min(1e-30)) for n in live}
+    assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+    original = RouterReplay.get_replay_topk
+    monkeypatch.setattr(RouterReplay, "get_replay_topk",
+                        lambda self, scores, *a, **k: original(self, scores.detach(), *a, **k))
+    planted = glm.gradients(samples, adv, replay=True)["grads"]
+    assert all(torch.equal(planted[n], replayed[n]) for n in live)

@@ -14,7 +14,7 @@ def routed(policy, n=8, seed=0, routes="random", lengths=None):
     samples = build_samples(n, seed, lengths=lengths)
     m = policy.cfg.model
     if routes == "random":
-        return with_routes(samples, random_routes(samples, m.num_layers, m.moe_topk, m.num_experts, seed))
+        return with_routes(samples, random_routes(samples, m.num_moe_layers, m.moe_topk, m.num_experts, seed))
     return with_routes(samples, policy.record_routes(samples))
 
 

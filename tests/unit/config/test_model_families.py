@@ -23,6 +23,7 @@ from r3rl.preflight import checkpoint_problems
     (["model=tiny_glm4_moe", "model.partial_rotary_factor=0.3"], "model.partial_rotary_factor"),
     (["model=tiny_glm4_moe", "model.norm_topk_prob=false"], "model.norm_topk_prob"),
     (["model=tiny_moe", "model.architecture=deepseek_v3"], "model.architecture"),
+    (["model=tiny_glm4_moe", "replay=soft"], "replay"),
 ])
 def test_family_rules_refuse_naming_the_key(compose_cfg, overrides, key):
     """Each rule fires on its own planted value (and the shipped configs pass them all,
