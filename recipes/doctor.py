@@ -50,7 +50,7 @@ class Doctor(GRPORecipe):
         no_routes = "the engine returns no routes (rollout=vllm): use rollout=vllm_r3"
 
         self.check("engine capture", lambda: C.engine_capture(
-            samples, num_layers=model.num_layers, topk=model.moe_topk, num_experts=model.num_experts)
+            samples, num_layers=model.num_moe_layers, topk=model.moe_topk, num_experts=model.num_experts)
             if routed else C.skipped("engine capture", no_routes))
 
         inventory = self.trainers.call_all("router_inventory")

@@ -139,3 +139,15 @@ def test_glm_router_gradients_under_replay_equal_the_unreplayed(glm, monkeypatch
                         lambda self, scores, *a, **k: original(self, scores.detach(), *a, **k))
     planted = glm.gradients(samples, adv, replay=True)["grads"]
     assert all(torch.equal(planted[n], replayed[n]) for n in live)
+
+
+def test_physical_expert_ids_are_caught_as_flips(glm, glm_reference):
+    """Routes must be logical expert ids (vLLM captures them before expert-parallel load balancing maps them to
+    physical slots, vLLM #33013). Ids relabelled by a placement (a fixed permutation, as an EPLB map within range
+    is) pass every range check, so the probe is what catches them: most rows flip against the trainer's own router,
+    where the logical ids flip none (test_glm_routes_and_logprobs_match_transformers)."""
+    samples, _, hf_routes = glm_reference
+    placement = np.roll(np.arange(8, dtype=np.uint8), 3)  # physical slot of each logical expert
+    physical = [placement[r] for r in hf_routes]
+    probed = glm.logprobs(with_routes(samples, physical), replay=False)
+    assert (probed.flip_per_layer > 0.5).all(), probed.flip_per_layer
