@@ -2,7 +2,7 @@
 the run's own layout in minutes, a go/no-go before a long run.
 
 The slice keeps what R3 depends on (experts, top-k, the router's normalisation, the attention layout, on GPUs the
-real width) and generates its weights (``r3rl.models.tiny_moe.generate``: a Qwen3-MoE of any shape), so it needs no
+real width) and generates its weights (``r3rl.models.tiny_moe.generate``: a model of the run's family), so it needs no
 checkpoint. Both sides run in float32: a random model's router scores are near ties, which bfloat16 would flip at
 random, and what the slice checks is the plumbing, not the model. Without a GPU the width is cut too (the CPU
 profile cannot hold 2048-wide layers of 128 experts); with one it is the model's own.

@@ -1,1 +1,1 @@
-"""Model assets: the locally generated tiny Qwen3-MoE and checkpoint checks."""
+"""Model assets: the locally generated tiny stand-ins of every family and checkpoint checks."""

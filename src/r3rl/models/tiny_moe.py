@@ -1,4 +1,5 @@
-"""A random Qwen3-MoE and a byte-level BPE tokenizer made locally, so CPU runs and tests need no model hub.
+"""A random MoE of any family r3rl builds (``model=tiny_moe``: Qwen3-MoE, ``model=tiny_glm4_moe``: GLM-4.5) and a
+byte-level BPE tokenizer made locally, so CPU runs and tests need no model hub.
 
 Generation is deterministic (fixed seeds, fixed corpus): the same config gives the same files on every machine.
 A crash never leaves half a checkpoint (``atomic_folder``).
