@@ -4,7 +4,8 @@
     python -m r3rl.tools.check_engine --url ... --num-layers 46 --first-k-dense 1 --topk 8 --num-experts 128  # GLM
 
 Sends one short greedy request and validates its routed experts against the model shape (rows = tokens - 1,
-layers, top-k, ids < experts, distinct, no all-zero MoE layer, the dense leading layers' rows all zero); also checks the vLLM version and the dev-mode routes.
+layers, top-k, ids < experts, distinct, no all-zero MoE layer, the dense leading layers' rows all zero); also
+checks the vLLM version and the dev-mode routes.
 Exit status 0 when the engine is fit, 1 with the reason otherwise.
 """
 
@@ -37,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as err:
         print(f"check_engine: FAILED: {err}", file=sys.stderr)
         return 1
-    routes = (f"routed experts ok: {report.route_rows} rows x {args.num_layers - args.first_k_dense} MoE layers x top-{args.topk} "
-              f"({report.route_dtype}) for {report.tokens} tokens" if spec is not None else "routes not required")
+    moe = args.num_layers - args.first_k_dense
+    routes = (f"routed experts ok: {report.route_rows} rows x {moe} MoE layers x top-{args.topk} ({report.route_dtype})"
+              f" for {report.tokens} tokens" if spec is not None else "routes not required")
     print(f"check_engine: OK: {report.url} vLLM {report.version}; {routes}")
     return 0
 
