@@ -13,9 +13,9 @@ import json
 import os
 from pathlib import Path
 
+from r3rl.config.families import QWEN3_MOE, family
 from r3rl.config.schema import ModelConfig
 from r3rl.fsutil import atomic_folder
-from r3rl.config.families import QWEN3_MOE, family
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -130,8 +130,8 @@ class RolloutClient:
     @classmethod
     def from_config(cls, cfg, urls: Sequence[str], **kwargs) -> RolloutClient:
         """From a validated ``R3RLConfig`` (model shape, rollout.routing_replay, rollout.engine limits)."""
-        from r3rl.config.modes import engine_concurrency
         from r3rl.config.families import dense_layers
+        from r3rl.config.modes import engine_concurrency
 
         m, eng = cfg.model, cfg.rollout.engine
         kwargs.setdefault("max_concurrency", engine_concurrency(cfg))
