@@ -1,6 +1,7 @@
 """GLM-4.5 (``model=tiny_glm4_moe``) on the real Megatron trainer against transformers' own forward of the same
 checkpoint: a dense first layer, a shared expert, a sigmoid router whose non-zero correction bias decides picks,
-routed_scaling_factor 2.5, partial RoPE, qkv bias, and an MTP layer in the checkpoint that is never built."""
+routed_scaling_factor 2.5, q/k norms, partial RoPE, qkv bias, and an MTP layer in the checkpoint that is never
+built. GLM-4.5-Air's attention without q/k norms is Megatron's plain path (``qk_layernorm=False``)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_glm_layers_are_the_family_s(glm):
     assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
     assert config.moe_router_bias_update_rate == 0.0  # held fixed during RL
     assert config.moe_router_topk_scaling_factor == 2.5 and config.moe_shared_expert_intermediate_size == 64
-    assert config.add_qkv_bias and not config.qk_layernorm
+    assert config.add_qkv_bias and config.qk_layernorm
     assert glm.bare.rotary_pos_emb.inv_freq.numel() == 32 * 0.5 / 2  # half of each head rotates
     assert all(float(r.expert_bias.abs().sum()) > 0 for r in glm.routers)  # the checkpoint's bias, loaded
 
@@ -151,3 +152,26 @@ def test_physical_expert_ids_are_caught_as_flips(glm, glm_reference):
     physical = [placement[r] for r in hf_routes]
     probed = glm.logprobs(with_routes(samples, physical), replay=False)
     assert (probed.flip_per_layer > 0.5).all(), probed.flip_per_layer
+
+
+def test_glm_air_attention_without_qk_norms_matches_transformers(tmp_path):
+    """GLM-4.5-Air's settings (no q/k norms, scale 1.0) on a stand-in of their own: Megatron's log-probs and routes
+    equal transformers'; fails if ``use_qk_norm`` false still built q/k norms or the converter asked for them."""
+    from r3rl.config import compose
+    from r3rl.models.tiny_moe import ensure_checkpoint
+    from r3rl.train.trainer import MegatronTrainer
+
+    cfg = compose([*GLM, "model.qk_norm=false", "model.routed_scaling_factor=1.0", "model.init_seed=1",
+                   f"model.checkpoint={tmp_path / 'air'}"])
+    ref = HFReference(ensure_checkpoint(cfg.model), topk=2)
+    samples = build_samples(4, 9)
+    hf_logprobs, hf_routes = zip(*(ref.run(s) for s in samples))
+    trainer = MegatronTrainer(cfg)
+    try:
+        assert not trainer.bare.config.qk_layernorm
+        own = trainer.record_routes(samples)
+        live = trainer.logprobs(with_routes(samples, list(hf_routes)), replay=True)
+    finally:
+        trainer.shutdown()
+    assert all(np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1)) for a, b in zip(own, hf_routes))
+    assert max(np.abs(a - b).max() for a, b in zip(live.logprobs, hf_logprobs)) < 1e-5
