@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from r3rl.config.families import param_counts
+from r3rl.config.families import kv_cache_per_token_layer, param_counts
 from r3rl.config.schema import R3RLConfig
 
 GIB = 1024**3
@@ -400,11 +400,11 @@ def estimate(cfg: R3RLConfig, trainer_dtype: str, engine_dtype: str, load_format
 
 
 def kv_bytes_per_token(cfg: R3RLConfig, engine_dtype: str) -> int:
-    """KV cache bytes one token takes on one engine GPU: K and V of every layer's KV heads (split over the engine's
-    tensor parallel, at least one head a GPU)."""
+    """KV cache bytes one token takes on one engine GPU: every layer's K and V of the GPU's KV heads (split over the
+    engine's tensor parallel, at least one head a GPU), or multi-latent attention's latent."""
     m = cfg.model
-    heads = max(m.num_query_groups // cfg.parallelism.rollout.tensor_parallel, 1)
-    return int(m.num_layers * 2 * heads * m.head_dim * DTYPE_BYTES[engine_dtype])
+    per_layer = kv_cache_per_token_layer(m, cfg.parallelism.rollout.tensor_parallel)
+    return int(m.num_layers * per_layer * DTYPE_BYTES[engine_dtype])
 
 
 def in_flight_sequences(cfg: R3RLConfig) -> int:

@@ -281,6 +281,13 @@ def megatron_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
         "recompute_granularity": tr.recompute_granularity,
         "use_distributed_optimizer": tr.use_distributed_optimizer,
     }
+    if m.kv_lora_rank is not None:
+        # DeepSeek-V3's multi-latent attention (Megatron's MLATransformerConfig). qk_layernorm builds the norms of
+        # the q and kv latents (q_a_layernorm, kv_a_layernorm). Megatron's MLA takes DeepSeek's rope dimensions as
+        # the checkpoint lays them out (test_megatron_families compares it with transformers' rope_interleave)
+        out.update(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                   qk_head_dim=m.qk_nope_head_dim, qk_pos_emb_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                   rope_type="rope", qk_layernorm=True)
     on_gpu = cfg.parallelism.device == "cuda"
     out.update({key: on_gpu for key in GPU_SPEED_SETTINGS})
     if tr.recompute_granularity == "full":
@@ -368,16 +375,13 @@ def build_plan(cfg: R3RLConfig, resume_format: str | None = None) -> LaunchPlan:
 
 
 def kv_tokens_per_engine(cfg: R3RLConfig, plan: LaunchPlan) -> int | None:
-    """Tokens one engine's KV cache holds by the memory plan (K and V of every layer and KV head), or None when
-    the plan does not size the cache (no GPU budget)."""
-    m, r = cfg.model, cfg.parallelism.rollout
+    """Tokens one engine's KV cache holds by the memory plan (each GPU's share of every layer's cache, a token's
+    part on every GPU of the engine), or None when the plan does not size the cache (no GPU budget)."""
     parts = [p.bytes for g in plan.memory.gpus for role, p in g.parts
              if role == "rollout" and p.name.startswith("engine KV cache")]
     if not parts or cfg.rollout.engine.url:
         return None
-    gpus_per_engine = max(r.num_gpus // max(r.num_engines, 1), 1)
-    per_token = 2 * m.num_layers * m.num_query_groups * m.head_dim * memory.DTYPE_BYTES[plan.engine_dtype]
-    return int(parts[0] * gpus_per_engine // per_token)
+    return int(parts[0] // memory.kv_bytes_per_token(cfg, plan.engine_dtype))
 
 
 def batch_settings(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from r3rl.plan import build_plan
 
 REPO = CONF_DIR.parent
 
-EXPERIMENTS = ("qwen3_30b_r3_4p4", "qwen3_30b_r3_colocated", "glm45_air_r3_2n")
+EXPERIMENTS = ("qwen3_30b_r3_4p4", "qwen3_30b_r3_colocated", "glm45_air_r3_2n", "moonlight_16b_r3_4p4")
 
 
 def parts(gpu) -> dict[str, float]:
@@ -44,6 +44,17 @@ def test_glm45_air_parameters_count_its_dense_layer_shared_experts_and_biases():
     assert counts.dense - unshared.dense == 45 * 3 * 4096 * 1408
 
 
+def test_moonlight_parameters_count_multi_latent_attention():
+    """Moonlight-16B-A3B is published as 16B parameters, and one of its attention layers holds, by hand: q_proj
+    2048 x 16 x 192, the kv latent with the shared rope key 2048 x 576 and its norm 512, the expansion 512 x 16 x 256,
+    o_proj 16 x 128 x 2048. Fails if multi-latent attention were counted as grouped-query attention over head_dim."""
+    from r3rl.config.families import _attention_params
+
+    model = compose(["experiment=moonlight_16b_r3_4p4"]).model
+    assert 15.5e9 < param_counts(model).total < 16.5e9
+    assert _attention_params(model) == 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_shipped_experiments_fit_an_80_gb_card(experiment):
     cfg = compose([f"experiment={experiment}"])
@@ -57,7 +68,8 @@ def test_shipped_experiments_fit_an_80_gb_card(experiment):
     assert plan.host_offload_bytes > 40 * GIB
     # bf16 weights and fp32 gradients of this rank's share: EP 4 holds 32 of 128 experts per layer, EP 8 holds 16;
     # GLM-4.5-Air's 106B over EP 16 (8 experts) with its dense part over TP 8
-    expected_weights = {"qwen3_30b_r3_4p4": 16.4, "qwen3_30b_r3_colocated": 9.6, "glm45_air_r3_2n": 13.3}[experiment]
+    expected_weights = {"qwen3_30b_r3_4p4": 16.4, "qwen3_30b_r3_colocated": 9.6, "glm45_air_r3_2n": 13.3,
+                        "moonlight_16b_r3_4p4": 9.6}[experiment]
     assert p["trainer/weights"] == pytest.approx(expected_weights, abs=0.1)
     assert p["trainer/gradients"] == pytest.approx(2 * p["trainer/weights"], rel=1e-6)
     if experiment.endswith("colocated"):

@@ -69,6 +69,12 @@ class ModelConfig(Frozen):
     qkv_bias: bool = False
     partial_rotary_factor: float = 1.0
     mtp_layers: int = 0
+    # multi-latent attention (DeepSeek-V3): set kv_lora_rank to build it
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
 
     @property
     def num_moe_layers(self) -> int:

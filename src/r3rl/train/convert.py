@@ -40,6 +40,7 @@ class HFLayout:
     head_dim: int
     shared_experts: str | None = None  # under a layer's ``mlp.``
     router_bias: str | None = None  # under a layer's ``mlp.``
+    mla: bool = False  # multi-latent attention: q_layernorm is the query latent's norm (q_a_layernorm)
 
     @classmethod
     def of(cls, model: ModelConfig) -> "HFLayout":
@@ -48,7 +49,7 @@ class HFLayout:
         fam = family(model)
         return cls(model.num_attention_heads, model.num_query_groups, model.head_dim,
                    fam.shared_experts if model.num_shared_experts else None,
-                   fam.router_bias if model.expert_bias else None)
+                   fam.router_bias if model.expert_bias else None, model.kv_lora_rank is not None)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,15 @@ _LAYER_KINDS = {
     "mlp.linear_fc2.weight": "dense_fc2",
     "mlp.shared_experts.linear_fc1.weight": "shared_fc1",
     "mlp.shared_experts.linear_fc2.weight": "shared_fc2",
+    # multi-latent attention (DeepSeek-V3); TE fuses the latents' norms into the up projections
+    "self_attention.linear_q_proj.weight": "q_full",
+    "self_attention.linear_q_down_proj.weight": "q_down",
+    "self_attention.linear_q_up_proj.weight": "q_up",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "q_latent_norm",
+    "self_attention.linear_kv_down_proj.weight": "kv_down",
+    "self_attention.linear_kv_up_proj.weight": "kv_up",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "kv_latent_norm",
+    "self_attention.kv_layernorm.weight": "kv_latent_norm",
 }
 # kinds whose Megatron tensor is [gate; up] (split per half over tensor parallel)
 GATED = ("fc1", "dense_fc1", "shared_fc1")
@@ -135,7 +145,16 @@ def hf_names(ref: ParamRef, layout: HFLayout) -> list[str]:
         "pre_mlp_norm": "post_attention_layernorm.weight",
         "router": "mlp.gate.weight",
         "dense_fc2": "mlp.down_proj.weight",
+        "q_full": "self_attn.q_proj.weight",
+        "q_down": "self_attn.q_a_proj.weight",
+        "q_up": "self_attn.q_b_proj.weight",
+        "q_latent_norm": "self_attn.q_a_layernorm.weight",
+        "kv_down": "self_attn.kv_a_proj_with_mqa.weight",
+        "kv_up": "self_attn.kv_b_proj.weight",
+        "kv_latent_norm": "self_attn.kv_a_layernorm.weight",
     }
+    if ref.kind == "q_norm" and layout.mla:
+        return [p + simple["q_latent_norm"]]
     if ref.kind in simple:
         return [p + simple[ref.kind]]
     if ref.kind in ("qkv", "qkv_bias"):

@@ -40,7 +40,8 @@ from r3rl.train.convert import (
 
 # canonical order inside a layer (HF's own file order does not matter to loaders; a fixed one keeps ranks in step)
 _KIND_ORDER = {k: i for i, k in enumerate(
-    ("embed", "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "proj", "pre_mlp_norm", "dense_fc1", "dense_fc2",
+    ("embed", "input_norm", "qkv", "qkv_bias", "q_full", "q_down", "q_norm", "q_latent_norm", "q_up", "kv_down",
+     "kv_latent_norm", "kv_up", "k_norm", "proj", "pre_mlp_norm", "dense_fc1", "dense_fc2",
      "router", "router_bias", "shared_fc1", "shared_fc2", "fc1", "fc2", "final_norm", "output"))}
 
 

@@ -84,12 +84,14 @@ def model_settings(cfg: R3RLConfig, *, replay: bool | None = None) -> ModelSetti
 
 def transformer_config(settings: ModelSettings):
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kind = MLATransformerConfig if settings.transformer.get("multi_latent_attention") else TransformerConfig
+    known = {f.name for f in dataclasses.fields(kind)}
     unknown = sorted(set(settings.transformer) - known)
     if unknown:
-        raise ValueError(f"not TransformerConfig fields (trainer.transformer_overrides?): {unknown}")
-    return TransformerConfig(**settings.transformer)
+        raise ValueError(f"not {kind.__name__} fields (trainer.transformer_overrides?): {unknown}")
+    return kind(**settings.transformer)
 
 
 def layer_spec(config):
@@ -112,6 +114,7 @@ def build_gpt(settings: ModelSettings, device: torch.device):
     from megatron.core.models.gpt import GPTModel
 
     te_fallback.guard_router_gemm()
+    te_fallback.guard_mla_without_te()
     config = transformer_config(settings)
     model = GPTModel(
         config=config,

@@ -95,6 +95,16 @@ def guard_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def guard_mla_without_te() -> None:
+    """Megatron 0.16's multi-latent attention takes TransformerEngine for present when its wrapper module imports,
+    which it does without TE (its classes are then mocks), and then calls ``isinstance(linear_proj, <a mock>)``:
+    MLA cannot be built without TE. Its flag is set to what is installed (idempotent; a no-op with TE)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if mla.HAVE_TE and not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
+
+
 @functools.lru_cache(maxsize=64)
 def segment_groups(cu_seqlens: tuple[int, ...]) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     """A packed row's segments grouped for batched attention: ``(index [L, n], real [L, n])`` per group, where
@@ -183,8 +193,15 @@ def local_core_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class LocalCoreAttention(DotProductAttention):
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            # multi-latent attention hands the head sizes of q/k and v (48 and 32 on the DeepSeek-V3 stand-in),
+            # which Megatron 0.16's local attention does not take: it sizes its output by kv_channels
             super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                from megatron.core.utils import divide
+
+                tp = self.config.tensor_model_parallel_size
+                self.hidden_size_per_partition = divide(v_channels * self.config.num_attention_heads, tp)
             self.sdpa_applies = (getattr(self.config, "window_size", None) is None
                                  and getattr(self, "softmax_offset", None) is None
                                  and self.attention_dropout.p == 0.0)
@@ -204,7 +221,8 @@ def local_core_attention():
                                  f"{packed_seq_params.qkv_format!r}")
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            total, heads, dim = query.shape
+            # query heads (value has one per group), each of value's size (MLA's differs from the query's)
+            total, heads, dim = query.shape[0], query.shape[1], value.shape[-1]
             out = query.new_empty(total, heads * dim)
             for at, real, rows in _group_tensors(tuple(int(v) for v in cu.tolist()), query.device):
                 q, k, v = query[at], key[at], value[at]

@@ -1,7 +1,8 @@
-"""GLM-4.5 (``model=tiny_glm4_moe``) on the real Megatron trainer against transformers' own forward of the same
-checkpoint: a dense first layer, a shared expert, a sigmoid router whose non-zero correction bias decides picks,
-routed_scaling_factor 2.5, q/k norms, partial RoPE, qkv bias, and an MTP layer in the checkpoint that is never
-built. GLM-4.5-Air's attention without q/k norms is Megatron's plain path (``qk_layernorm=False``)."""
+"""GLM-4.5 (``model=tiny_glm4_moe``) and DeepSeek-V3 (``model=tiny_deepseek_v3``) on the real Megatron trainer
+against transformers' own forward of the same checkpoint. GLM-4.5: a dense first layer, a shared expert, a sigmoid
+router whose non-zero correction bias decides picks, routed_scaling_factor 2.5, q/k norms, partial RoPE, qkv bias,
+and an MTP layer in the checkpoint that is never built; GLM-4.5-Air's attention without q/k norms is Megatron's plain
+path (``qk_layernorm=False``). DeepSeek-V3: multi-latent attention and group-limited top-k on top."""
 
 from __future__ import annotations
 
@@ -175,3 +176,73 @@ def test_glm_air_attention_without_qk_norms_matches_transformers(tmp_path):
         trainer.shutdown()
     assert all(np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1)) for a, b in zip(own, hf_routes))
     assert max(np.abs(a - b).max() for a, b in zip(live.logprobs, hf_logprobs)) < 1e-5
+
+
+DEEPSEEK = ["model=tiny_deepseek_v3", "parallelism=cpu", "algorithm.global_batch_size=8", "trainer.micro_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    from r3rl.config import compose
+    from r3rl.models.tiny_moe import ensure_checkpoint
+    from r3rl.train.trainer import MegatronTrainer
+
+    cfg = compose(DEEPSEEK)
+    folder = ensure_checkpoint(cfg.model)
+    trainer = MegatronTrainer(cfg)
+    yield trainer, folder
+    trainer.shutdown()
+
+
+def test_deepseek_mla_with_groups_matches_transformers(deepseek, tmp_path):
+    """DeepSeek-V3 (``model=tiny_deepseek_v3``): multi-latent attention with a query latent, a dense first layer,
+    two shared experts, sigmoid + bias and group-limited top-k (4 groups, 2 picked). Megatron's own top-k equals
+    transformers' on every token, log-probs agree in float32 with and without replay, the route probe counts no
+    flip, and the HF round trip is bit-exact with the bias and the MTP layer. Fails if the latent norms, the
+    interleaved RoPE layout, the group limit or the bias were lost between the two."""
+    trainer, folder = deepseek
+    config = trainer.bare.config
+    assert config.multi_latent_attention and config.q_lora_rank == 32 and config.moe_router_num_groups == 4
+    assert [r.layer_number for r in trainer.routers] == [2, 3, 4]
+    ref = HFReference(folder, topk=4)
+    samples = build_samples(8, 17)
+    hf_logprobs, hf_routes = zip(*(ref.run(s) for s in samples))
+    own = trainer.record_routes(samples)
+    for i, (mine, theirs) in enumerate(zip(own, hf_routes)):
+        assert mine.shape == theirs.shape == (samples[i].num_tokens - 1, 3, 4)
+        assert np.array_equal(np.sort(mine, axis=-1), np.sort(theirs, axis=-1)), f"sample {i}"
+    live = trainer.logprobs(with_routes(samples, list(hf_routes)), replay=False)
+    assert max(np.abs(a - b).max() for a, b in zip(live.logprobs, hf_logprobs)) < 1e-5
+    assert np.array_equal(live.flip_per_layer, np.zeros(3))
+    replayed = trainer.logprobs(with_routes(samples, list(hf_routes)), replay=True)
+    assert replayed.replay_mismatch_rows == 0
+    assert max(np.abs(a - b).max() for a, b in zip(replayed.logprobs, hf_logprobs)) < 1e-5
+    source, exported = read_all(folder), read_all(trainer.export_hf(tmp_path / "export"))
+    assert any("layers.4.eh_proj" in n for n in source) and source.keys() == exported.keys()
+    assert all(torch_equal(exported[n], t) for n, t in source.items())
+
+
+def test_moonlight_mla_without_a_query_latent_matches_transformers(tmp_path):
+    """Moonlight's attention (``q_lora_rank: null``: one q_proj, no query latent or its norm), one expert group:
+    Megatron's log-probs and routes equal transformers'; fails if the converter asked for q_a_proj/q_b_proj."""
+    from r3rl.config import compose
+    from r3rl.models.tiny_moe import ensure_checkpoint
+    from r3rl.train.trainer import MegatronTrainer
+
+    cfg = compose([*DEEPSEEK, "model.q_lora_rank=null", "model.router_num_groups=1", "model.router_group_topk=1",
+                   "model.init_seed=2", f"model.checkpoint={tmp_path / 'moonlight'}"])
+    ref = HFReference(ensure_checkpoint(cfg.model), topk=4)
+    samples = build_samples(4, 3)
+    hf_logprobs, hf_routes = zip(*(ref.run(s) for s in samples))
+    trainer = MegatronTrainer(cfg)
+    try:
+        own = trainer.record_routes(samples)
+        replayed = trainer.logprobs(with_routes(samples, list(hf_routes)), replay=True)
+    finally:
+        trainer.shutdown()
+    assert all(np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1)) for a, b in zip(own, hf_routes))
+    assert max(np.abs(a - b).max() for a, b in zip(replayed.logprobs, hf_logprobs)) < 1e-5
+
+
+def torch_equal(a, b) -> bool:
+    return a.dtype == b.dtype and bool((a == b).all())

