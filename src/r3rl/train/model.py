@@ -9,6 +9,7 @@ configured.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,13 +95,28 @@ def transformer_config(settings: ModelSettings):
     return kind(**settings.transformer)
 
 
+MLA_WITHOUT_Q_LATENT = (
+    "model.q_lora_rank=null (Moonlight's attention, one q_proj) with Megatron-core 0.19: it builds the kv latent's "
+    "norm only together with a query norm fused into linear_q_proj (megatron/core/transformer/"
+    "mla_qk_norm_config.py), which these checkpoints do not have; use Megatron-core 0.16 (the cpu and gpu extras "
+    "allow it)")
+
+
 def layer_spec(config):
     """Megatron's decoder block spec: a dense MLP in the leading layers ``moe_layer_freq`` marks 0 (GLM-4.5,
     DeepSeek-V3), a MoE block in the others, each with the model's own q/k norms and qkv bias from ``config``."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from megatron.core.transformer.identity_op import IdentityOp
+
     use_te = gpt_layer_specs.HAVE_TE and not hardware.cpu_active()
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if getattr(config, "multi_latent_attention", False) and config.q_lora_rank is None:
+        if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None:
+            raise ValueError(MLA_WITHOUT_Q_LATENT)
+        # Moonlight's one q_proj has no query latent to normalise
+        for spec in block.layer_specs:
+            spec.submodules.self_attention.submodules.q_layernorm = IdentityOp
     if not use_te:
         # the local attention with a packed (THD) path, which TE's attention has natively, fused on CUDA
         for spec in block.layer_specs:

@@ -195,13 +195,9 @@ def local_core_attention():
     class LocalCoreAttention(DotProductAttention):
         def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
             # multi-latent attention hands the head sizes of q/k and v (48 and 32 on the DeepSeek-V3 stand-in),
-            # which Megatron 0.16's local attention does not take: it sizes its output by kv_channels
+            # which Megatron's local attention does not take: it sizes its output by kv_channels. The output is
+            # sized by the value each forward gets instead (Megatron 0.19 pads MLA's packed value to the query's)
             super().__init__(*args, **kwargs)
-            if v_channels is not None:
-                from megatron.core.utils import divide
-
-                tp = self.config.tensor_model_parallel_size
-                self.hidden_size_per_partition = divide(v_channels * self.config.num_attention_heads, tp)
             self.sdpa_applies = (getattr(self.config, "window_size", None) is None
                                  and getattr(self, "softmax_offset", None) is None
                                  and self.attention_dropout.p == 0.0)
@@ -211,6 +207,7 @@ def local_core_attention():
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
+            self.hidden_size_per_partition = query.shape[-2] * value.shape[-1]  # query heads x value's head size
             fused = self._fused(query, attention_bias)
             if packed_seq_params is None:
                 if fused:
