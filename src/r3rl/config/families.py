@@ -60,14 +60,17 @@ QWEN3_MOE = Family(
     router_bias=None, shared_experts=None,
 )
 
+# the MoE fields GLM-4.5 spells as DeepSeek-V3 does (its config descends from DeepSeek's)
+_DEEPSEEK_MOE = {
+    "num_experts": "n_routed_experts", "first_k_dense": "first_k_dense_replace", "ffn_hidden_size": "intermediate_size",
+    "num_shared_experts": "n_shared_experts", "routed_scaling_factor": "routed_scaling_factor",
+    "router_num_groups": "n_group", "router_group_topk": "topk_group", "qkv_bias": "attention_bias",
+    "mtp_layers": "num_nextn_predict_layers"}
+
 GLM4_MOE = Family(
     architecture="glm4_moe", hf_class="Glm4MoeForCausalLM", config_class="Glm4MoeConfig",
-    hf_fields=MappingProxyType({
-        **_COMMON, "num_experts": "n_routed_experts", "first_k_dense": "first_k_dense_replace",
-        "ffn_hidden_size": "intermediate_size", "num_shared_experts": "n_shared_experts",
-        "routed_scaling_factor": "routed_scaling_factor", "router_num_groups": "n_group",
-        "router_group_topk": "topk_group", "qk_norm": "use_qk_norm", "qkv_bias": "attention_bias",
-        "partial_rotary_factor": "partial_rotary_factor", "mtp_layers": "num_nextn_predict_layers"}),
+    hf_fields=MappingProxyType({**_COMMON, **_DEEPSEEK_MOE, "qk_norm": "use_qk_norm",
+                                "partial_rotary_factor": "partial_rotary_factor"}),
     # GLM-4.5 routes on sigmoid scores plus e_score_correction_bias (noaux_tc): there is no field to say otherwise
     fixed=MappingProxyType({"router_score_function": "sigmoid", "expert_bias": True, **_NO_MLA}),
     router_bias="gate.e_score_correction_bias", shared_experts="shared_experts",
@@ -75,13 +78,9 @@ GLM4_MOE = Family(
 
 DEEPSEEK_V3 = Family(
     architecture="deepseek_v3", hf_class="DeepseekV3ForCausalLM", config_class="DeepseekV3Config",
-    hf_fields=MappingProxyType({
-        **{k: v for k, v in _COMMON.items() if k != "head_dim"}, "num_experts": "n_routed_experts",
-        "first_k_dense": "first_k_dense_replace", "ffn_hidden_size": "intermediate_size",
-        "num_shared_experts": "n_shared_experts", "routed_scaling_factor": "routed_scaling_factor",
-        "router_num_groups": "n_group", "router_group_topk": "topk_group", "qkv_bias": "attention_bias",
-        "mtp_layers": "num_nextn_predict_layers", "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
-        "qk_nope_head_dim": "qk_nope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"}),
+    # transformers derives its head_dim from qk_rope_head_dim
+    hf_fields=MappingProxyType({**{k: v for k, v in _COMMON.items() if k != "head_dim"}, **_DEEPSEEK_MOE,
+                                **{k: k for k in _NO_MLA}}),
     # no per-head q/k norms (MLA normalises its latents) and RoPE on the rope dims only
     fixed=MappingProxyType({"router_score_function": "sigmoid", "expert_bias": True, "qk_norm": False,
                             "partial_rotary_factor": 1.0, "qkv_bias": False}),

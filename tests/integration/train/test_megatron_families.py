@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_helpers import HFReference, build_samples, with_routes
-from test_megatron_convert import read_all
+from test_megatron_convert import assert_same_tensors, read_all
 
 GLM = ["model=tiny_glm4_moe", "parallelism=cpu", "algorithm.global_batch_size=8", "trainer.micro_batch_size=4"]
 
@@ -62,11 +62,9 @@ def test_glm_round_trip_is_exact_with_bias_and_mtp(glm, glm_dir, tmp_path):
     layer (carried over, never built) included; fails if ``named_weights`` leaves the buffers out or
     ``carry_over`` drops the MTP tensors."""
     out = glm.export_hf(tmp_path / "export")
-    source, exported = read_all(glm_dir), read_all(out)
+    source = read_all(glm_dir)
     assert any(".e_score_correction_bias" in n for n in source) and any("layers.4.eh_proj" in n for n in source)
-    assert source.keys() == exported.keys()
-    for name, tensor in source.items():
-        assert exported[name].dtype == tensor.dtype and bool((exported[name] == tensor).all()), name
+    assert_same_tensors(source, read_all(out))
 
 
 def test_glm_routes_and_logprobs_match_transformers(glm, glm_reference):
@@ -159,23 +157,30 @@ def test_glm_air_attention_without_qk_norms_matches_transformers(tmp_path):
     """GLM-4.5-Air's settings (no q/k norms, scale 1.0) on a stand-in of their own: Megatron's log-probs and routes
     equal transformers'; fails if ``use_qk_norm`` false still built q/k norms or the converter asked for them."""
     from r3rl.config import compose
-    from r3rl.models.tiny_moe import ensure_checkpoint
-    from r3rl.train.trainer import MegatronTrainer
 
     cfg = compose([*GLM, "model.qk_norm=false", "model.routed_scaling_factor=1.0", "model.init_seed=1",
                    f"model.checkpoint={tmp_path / 'air'}"])
-    ref = HFReference(ensure_checkpoint(cfg.model), topk=2)
+    assert_matches_transformers(cfg, lambda trainer: not trainer.bare.config.qk_layernorm)
+
+
+def assert_matches_transformers(cfg, built_as_asked) -> None:
+    """A stand-in of ``cfg``'s own shape: the trainer is ``built_as_asked``, and its routes and replayed log-probs
+    equal transformers' forward of the same checkpoint."""
+    from r3rl.models.tiny_moe import ensure_checkpoint
+    from r3rl.train.trainer import MegatronTrainer
+
+    ref = HFReference(ensure_checkpoint(cfg.model), topk=cfg.model.moe_topk)
     samples = build_samples(4, 9)
     hf_logprobs, hf_routes = zip(*(ref.run(s) for s in samples))
     trainer = MegatronTrainer(cfg)
     try:
-        assert not trainer.bare.config.qk_layernorm
+        assert built_as_asked(trainer)
         own = trainer.record_routes(samples)
-        live = trainer.logprobs(with_routes(samples, list(hf_routes)), replay=True)
+        replayed = trainer.logprobs(with_routes(samples, list(hf_routes)), replay=True)
     finally:
         trainer.shutdown()
     assert all(np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1)) for a, b in zip(own, hf_routes))
-    assert max(np.abs(a - b).max() for a, b in zip(live.logprobs, hf_logprobs)) < 1e-5
+    assert max(np.abs(a - b).max() for a, b in zip(replayed.logprobs, hf_logprobs)) < 1e-5
 
 
 DEEPSEEK = ["model=tiny_deepseek_v3", "parallelism=cpu", "algorithm.global_batch_size=8", "trainer.micro_batch_size=4"]
@@ -217,19 +222,18 @@ def test_deepseek_mla_with_groups_matches_transformers(deepseek, tmp_path):
     replayed = trainer.logprobs(with_routes(samples, list(hf_routes)), replay=True)
     assert replayed.replay_mismatch_rows == 0
     assert max(np.abs(a - b).max() for a, b in zip(replayed.logprobs, hf_logprobs)) < 1e-5
-    source, exported = read_all(folder), read_all(trainer.export_hf(tmp_path / "export"))
-    assert any("layers.4.eh_proj" in n for n in source) and source.keys() == exported.keys()
-    assert all(torch_equal(exported[n], t) for n, t in source.items())
+    source = read_all(folder)
+    assert any("layers.4.eh_proj" in n for n in source)
+    assert_same_tensors(source, read_all(trainer.export_hf(tmp_path / "export")))
 
 
 def test_moonlight_mla_without_a_query_latent_matches_transformers(tmp_path):
     """Moonlight's attention (``q_lora_rank: null``: one q_proj, no query latent or its norm), one expert group:
     Megatron's log-probs and routes equal transformers'; fails if the converter asked for q_a_proj/q_b_proj."""
-    from r3rl.config import compose
-    from r3rl.models.tiny_moe import ensure_checkpoint
-    from r3rl.train.trainer import MegatronTrainer
-
     import importlib.util
+
+    from r3rl.config import compose
+    from r3rl.train.trainer import MegatronTrainer
 
     cfg = compose([*DEEPSEEK, "model.q_lora_rank=null", "model.router_num_groups=1", "model.router_group_topk=1",
                    "model.init_seed=2", f"model.checkpoint={tmp_path / 'moonlight'}"])
@@ -239,18 +243,4 @@ def test_moonlight_mla_without_a_query_latent_matches_transformers(tmp_path):
         with pytest.raises(ValueError, match="mla_qk_norm_config"):  # refused by name, not a Mock's AttributeError
             MegatronTrainer(cfg).shutdown()
         pytest.skip(MLA_WITHOUT_Q_LATENT)
-    ref = HFReference(ensure_checkpoint(cfg.model), topk=4)
-    samples = build_samples(4, 3)
-    hf_logprobs, hf_routes = zip(*(ref.run(s) for s in samples))
-    trainer = MegatronTrainer(cfg)
-    try:
-        own = trainer.record_routes(samples)
-        replayed = trainer.logprobs(with_routes(samples, list(hf_routes)), replay=True)
-    finally:
-        trainer.shutdown()
-    assert all(np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1)) for a, b in zip(own, hf_routes))
-    assert max(np.abs(a - b).max() for a, b in zip(replayed.logprobs, hf_logprobs)) < 1e-5
-
-
-def torch_equal(a, b) -> bool:
-    return a.dtype == b.dtype and bool((a == b).all())
+    assert_matches_transformers(cfg, lambda trainer: trainer.bare.config.q_lora_rank is None)
