@@ -1,5 +1,5 @@
-"""Each MoE family r3rl builds, described once: how its ``config.json`` spells the model config's fields, the HF
-class vLLM and transformers load, what its layers are made of, and the rules its fields obey.
+"""Each MoE family r3rl builds, described once: how its ``config.json`` spells the model config's fields,
+transformers' config class, the HF names of its router bias and shared experts, and the rules its fields obey.
 
 The trainer (``r3rl.plan.megatron_config``), the converter, the route layer map, the memory plan (its parameter
 counts are here), the preflight's checkpoint check and the tiny stand-ins all read a family from here instead of
@@ -27,8 +27,7 @@ class Family:
     to generate a stand-in); ``fixed``: model config fields whose value the family fixes (refused otherwise)."""
 
     architecture: str  # config.json model_type, and model.architecture
-    hf_class: str  # the architectures entry vLLM and transformers load
-    config_class: str  # transformers' config class
+    config_class: str  # transformers' config class (its model class is what config.json's architectures names)
     hf_fields: Mapping[str, str]
     fixed: Mapping[str, Any]
     router_bias: str | None  # the expert-score correction bias under a MoE layer's ``mlp.``, if the family has one
@@ -51,7 +50,7 @@ _NO_MLA = {"q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, 
            "v_head_dim": None}
 
 QWEN3_MOE = Family(
-    architecture="qwen3_moe", hf_class="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig",
+    architecture="qwen3_moe", config_class="Qwen3MoeConfig",
     hf_fields=MappingProxyType({**_COMMON, "num_experts": "num_experts"}),
     fixed=MappingProxyType({"first_k_dense": 0, "num_shared_experts": 0, "router_score_function": "softmax",
                             "expert_bias": False, "routed_scaling_factor": 1.0, "router_num_groups": 1,
@@ -68,7 +67,7 @@ _DEEPSEEK_MOE = {
     "mtp_layers": "num_nextn_predict_layers"}
 
 GLM4_MOE = Family(
-    architecture="glm4_moe", hf_class="Glm4MoeForCausalLM", config_class="Glm4MoeConfig",
+    architecture="glm4_moe", config_class="Glm4MoeConfig",
     hf_fields=MappingProxyType({**_COMMON, **_DEEPSEEK_MOE, "qk_norm": "use_qk_norm",
                                 "partial_rotary_factor": "partial_rotary_factor"}),
     # GLM-4.5 routes on sigmoid scores plus e_score_correction_bias (noaux_tc): there is no field to say otherwise
@@ -77,7 +76,7 @@ GLM4_MOE = Family(
 )
 
 DEEPSEEK_V3 = Family(
-    architecture="deepseek_v3", hf_class="DeepseekV3ForCausalLM", config_class="DeepseekV3Config",
+    architecture="deepseek_v3", config_class="DeepseekV3Config",
     # transformers derives its head_dim from qk_rope_head_dim
     hf_fields=MappingProxyType({**{k: v for k, v in _COMMON.items() if k != "head_dim"}, **_DEEPSEEK_MOE,
                                 **{k: k for k in _NO_MLA}}),
