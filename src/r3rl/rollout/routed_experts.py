@@ -12,6 +12,7 @@ batch it comes from may hold thousands of samples and the request id is what the
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import math
 import threading
@@ -59,8 +60,9 @@ class RouteSpec:
     num_experts: int
     dense_layers: tuple[int, ...] = ()
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> list[int]:
+        """Computed once per spec: ``check_routes`` reads it for every sample."""
         return [i for i in range(self.num_layers) if i not in self.dense_layers]
 
     @property
