@@ -55,6 +55,19 @@ def test_moonlight_parameters_count_multi_latent_attention():
     assert _attention_params(model) == 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048
 
 
+def test_mla_caches_one_latent_per_token_and_layer_on_every_engine_gpu():
+    """vLLM's MLA cache holds kv_lora_rank + qk_rope_head_dim values per token and layer, whole on every GPU of a
+    tensor-parallel engine: Moonlight's bf16 token is 27 x 576 x 2 bytes. Fails if MLA were counted as
+    grouped-query K and V (16 heads of head_dim 64 over TP 4: 27 x 2 x 4 x 64 x 2 bytes, 12.5% more tokens promised
+    than the cache holds)."""
+    from r3rl.memory import kv_bytes_per_token
+
+    cfg = compose(["experiment=moonlight_16b_r3_4p4"])
+    assert kv_bytes_per_token(cfg, "bfloat16") == 27 * 576 * 2
+    qwen = compose(["experiment=qwen3_30b_r3_4p4"])  # 4 KV heads of 128 over TP 4: one head a GPU
+    assert kv_bytes_per_token(qwen, "bfloat16") == 48 * 2 * 1 * 128 * 2
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_shipped_experiments_fit_an_80_gb_card(experiment):
     cfg = compose([f"experiment={experiment}"])
