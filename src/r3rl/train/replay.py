@@ -80,6 +80,27 @@ def selection_scores(logits: torch.Tensor, router) -> torch.Tensor:
     return scores
 
 
+def rounding_reach(hidden: torch.Tensor, logits: torch.Tensor, top, k: int, router, unit_roundoff: float
+                   ) -> torch.Tensor:
+    """Per row, how far an engine of unit roundoff u can move the margin between its k-th and (k+1)-th selection
+    scores (``top``: ``torch.topk`` of ``selection_scores(logits)``, k + 1 wide) by rounding. A router logit
+    x = w . h moves by u|x| where the engine rounds it (a gate that outputs its dtype, Qwen3's) and by about
+    u ||w * h||_2 where it rounds the router's input h (every element by up to u|h_i|, errors that add in quadrature:
+    vLLM's float32 GLM-4.5 gate sees only this); the reach counts both. A softmax router ranks by its
+    logits, so each logit's move is the score's; a sigmoid router ranks by sigmoid(x) + bias and its score moves by
+    the sigmoid's slope s (1 - s) times the logit's (the bias is a float32 constant no engine rounds). ``hidden``:
+    the router's input rows ``[N, H]`` (``logits``' rows)."""
+    pair = top.indices[:, k - 1:k + 1]
+    x = logits.gather(1, pair).double()
+    weight = router.weight.float()
+    spread = torch.sqrt(hidden.float().square() @ weight.square().T).gather(1, pair).double()
+    slope = 1.0
+    if router.config.moe_router_score_function == "sigmoid":
+        s = torch.sigmoid(x)
+        slope = s * (1 - s)
+    return unit_roundoff * (slope * (x.abs() + spread)).sum(-1)
+
+
 def selection_probs(scores: torch.Tensor, router_config) -> torch.Tensor:
     """The router's selection scores as probabilities: Megatron hands its top-k the raw logits when the softmax comes
     after the top-k (``moe_router_pre_softmax`` off, Qwen3's normalised top-k), and scores that already are
@@ -239,9 +260,9 @@ class ProbeCounts:
     margins (k-th minus (k+1)-th logit), the rows whose margin is small (``metrics.SMALL_ROUTER_MARGIN``), and the
     load of each expert under the router's own top-k (``expert_load``, ``[L, E]``); under soft replay, the replayed
     (row, slot) pairs whose rollout expert the filter replaced (``replaced_slots``; the routing map is then checked
-    against the filtered routes); and the response rows whose margin is within the engine's rounding reach, u x
-    (|k-th logit| + |(k+1)-th logit|), u the unit roundoff of the engine's dtype (``reachable``: the rows the engine's
-    precision alone can flip by rounding the two logits apart)."""
+    against the filtered routes); and the response rows whose margin is within the engine's rounding reach
+    (``rounding_reach``, u the unit roundoff of the engine's dtype; ``reachable``: the rows the engine's precision
+    alone can flip by rounding the router's logits and inputs)."""
 
     routed_rows: np.ndarray
     flips: np.ndarray
@@ -418,7 +439,8 @@ class RouteProbe:
             rows, routes, response, prompt = exp.on(logits.device)
             rollout = routes[:, layer]
             # the top k+1 selection scores carry the router's own top-k and its margin (k-th minus (k+1)-th)
-            top = torch.topk(selection_scores(logits[rows], router), min(k + 1, experts), dim=-1)
+            row_logits = logits[rows]
+            top = torch.topk(selection_scores(row_logits, router), min(k + 1, experts), dim=-1)
             own = top.indices[:, :k]
             flipped = ~_same_sets(own, rollout)
             self._host.routed_rows[layer] += int(exp.response.sum())
@@ -431,14 +453,15 @@ class RouteProbe:
                 margins = top.values[:, k - 1].double() - top.values[:, k].double()
                 acc["margin_sum"][layer] += torch.where(response, margins, 0.0).sum()
                 acc["small_margins"][layer] += ((margins < M.SMALL_ROUTER_MARGIN) & response).sum()
-                reach = self.unit_roundoff * (top.values[:, k - 1].double().abs() + top.values[:, k].double().abs())
+                reach = rounding_reach(hidden.reshape(-1, hidden.shape[-1])[rows], row_logits, top, k, router,
+                                       self.unit_roundoff)
                 acc["reachable"][layer] += ((margins < reach) & response).sum()
             acc["expert_load"][layer].scatter_add_(0, own.flatten(), response[:, None].expand(-1, k).flatten().long())
             if self._replaying:
                 used = output[1].view(-1, experts)[rows].bool()
                 replayed = rollout
                 if self.soft_ratio is not None:  # the filter recomputed from the live logits, independently
-                    replayed, replaced = soft_targets(probs_from_logits(logits[rows], router.config), rollout,
+                    replayed, replaced = soft_targets(probs_from_logits(row_logits, router.config), rollout,
                                                       self.soft_ratio)
                     acc["replaced_slots"][layer] += replaced.sum()
                 expected = torch.zeros_like(used).scatter(1, replayed, True)

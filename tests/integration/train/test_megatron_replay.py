@@ -206,9 +206,10 @@ def test_probe_margins_equal_metrics_definition_on_the_same_router_logits(policy
     """The probe accumulates margins on the device (no host copy per router call); per layer its mean over the
     response rows equals ``metrics.router_margins`` on transformers' router logits of the same float32 checkpoint,
     and its small-margin share the share under ``SMALL_ROUTER_MARGIN``; its share of rows within the engine's
-    rounding reach (the doctor's flip bound) the share whose margin is under u (|k-th| + |(k+1)-th logit|), u of the
-    bf16 engine. Fails if the device-side margin took another pair of logits than the k-th and (k+1)-th, summed
-    prompt or padding rows, lost rows between micro batches, or took the reach from another dtype or logits."""
+    rounding reach (the doctor's flip bound) the share whose margin is under u (|x_k| + |x_k+1| + ||w * h||_2 of
+    each), u of the bf16 engine, h the router's input as transformers' router receives it. Fails if the device-side
+    margin took another pair of logits than the k-th and (k+1)-th, summed prompt or padding rows, lost rows between
+    micro batches, or took the reach from another dtype, logits or router inputs."""
     import torch
 
     m = policy.cfg.model
@@ -218,15 +219,24 @@ def test_probe_margins_equal_metrics_definition_on_the_same_router_logits(policy
     margins = [[] for _ in range(m.num_layers)]
     reach = [[] for _ in range(m.num_layers)]
     u = M.UNIT_ROUNDOFF[policy.cfg.rollout.engine.dtype]
+    gates = [layer.mlp.gate for layer in hf_reference.model.model.layers]
+    inputs = {}
+    hooks = [g.register_forward_hook(lambda mod, args, out, i=i: inputs.__setitem__(i, args[0].reshape(-1,
+             args[0].shape[-1]))) for i, g in enumerate(gates)]
+    k = m.moe_topk
     for s in samples:
         with torch.no_grad():
             out = hf_reference.model(torch.from_numpy(s.tokens.astype(np.int64))[None], output_router_logits=True)
-        p = len(s.prompt_ids)
+        p, keep = len(s.prompt_ids), torch.from_numpy(s.loss_mask > 0)
         for layer, logits in enumerate(out.router_logits):
-            rows = logits[p - 1:-1][torch.from_numpy(s.loss_mask > 0)].double().numpy()
-            margins[layer].append(M.router_margins(rows, m.moe_topk))
-            top = -np.sort(-rows, axis=1)
-            reach[layer].append(u * (np.abs(top[:, m.moe_topk - 1]) + np.abs(top[:, m.moe_topk])))
+            rows = logits[p - 1:-1][keep].double().numpy()
+            margins[layer].append(M.router_margins(rows, k))
+            order = np.argsort(-rows, axis=1)[:, k - 1:k + 1]
+            h, w = inputs[layer][p - 1:-1][keep].double().numpy(), gates[layer].weight.double().detach().numpy()
+            spread = np.take_along_axis(np.sqrt((h * h) @ (w * w).T), order, axis=1)
+            reach[layer].append(u * (np.abs(np.take_along_axis(rows, order, axis=1)) + spread).sum(axis=1))
+    for hook in hooks:
+        hook.remove()
     for layer in range(m.num_layers):
         ref = np.concatenate(margins[layer])
         assert live.margin_per_layer[layer] == pytest.approx(ref.mean(), rel=1e-3, abs=1e-5), layer

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from r3rl.train.replay import selection_scores
+from r3rl.train.replay import rounding_reach, selection_scores
 
 EXPERTS, TOPK, GROUPS, GROUP_TOPK = 16, 4, 4, 2
 
@@ -78,3 +78,40 @@ def test_group_limits_ignored_or_bias_dropped_route_otherwise(case):
     assert not torch.equal(no_groups, as_sets(hf_idx)) and not torch.equal(no_bias, as_sets(hf_idx))
     probe_no_groups = torch.topk(selection_scores(logits, probe_router(1, 1, bias)), TOPK, dim=-1).indices
     assert not torch.equal(as_sets(probe_no_groups), as_sets(hf_idx))
+
+
+
+def test_rounding_reach_counts_the_logits_and_the_router_inputs_rounding(case):
+    """The doctor's flip bound counts rows whose margin the engine's rounding can close. Checked by rounding for
+    real: with the router's inputs h rounded to bfloat16 (as a float32 gate fed a bf16 engine's hidden states sees
+    them) and the two logits nudged apart by u|x| (the k-th down, the (k+1)-th up), every row whose pick of the two
+    experts swaps is within the reach, and a sigmoid router's reach (its scores move by the slope s (1 - s) of the
+    logits' move) is below that of a router ranked by its logits. Fails if the reach left out the input's rounding
+    (GLM-4.5's float32 gate would flip rows it never counts, and a sound engine would fail the doctor), took u of
+    the biased scores, or lost the sigmoid's slope."""
+    _, bias = case
+    torch.manual_seed(5)
+    hidden = torch.randn(2048, 32)
+    router = probe_router(1, 1, bias)
+    router.weight = torch.randn(EXPERTS, 32) * 0.3
+    logits = hidden @ router.weight.T
+    u, k = 2.0 ** -8, TOPK
+    top = torch.topk(selection_scores(logits, router), k + 1, dim=-1)
+    reach = rounding_reach(hidden, logits, top, k, router, u)
+    margin = (top.values[:, k - 1] - top.values[:, k]).double()
+    pair = top.indices[:, k - 1:k + 1]
+    rounded = (hidden.bfloat16().float() @ router.weight.T).gather(1, pair).double()
+    nudged = rounded + u * rounded.abs() * torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    scores = torch.sigmoid(nudged) + bias.double()[pair]
+    swapped = scores[:, 0] < scores[:, 1]
+    assert swapped.sum() >= 10 and (margin[swapped] < reach[swapped]).all()
+    no_input = u * (torch.sigmoid(logits.gather(1, pair).double()) * (1 - torch.sigmoid(logits.gather(1, pair)
+                    .double())) * logits.gather(1, pair).double().abs()).sum(-1)
+    assert (margin[swapped] >= no_input[swapped]).sum() >= 3  # the input's rounding alone flips some rows
+    naive = u * top.values[:, k - 1:k + 1].double().abs().sum(-1)
+    assert (margin < naive).sum() > (margin < reach).sum()
+    softmax = types.SimpleNamespace(config=types.SimpleNamespace(moe_router_score_function="softmax"),
+                                    weight=router.weight)
+    plain = torch.topk(logits, k + 1, dim=-1)
+    assert (rounding_reach(hidden, logits, plain, k, softmax, u) >= u * plain.values[:, k - 1:k + 1].double()
+            .abs().sum(-1)).all()
