@@ -67,10 +67,10 @@ class Doctor(GRPORecipe):
 
         def replay_check() -> Check:
             shifted = self.trainers.call("logprobs", ray.put(C.shifted_routes(samples)), replay=True)
-            return C.replay_exact(replayed.replay_mismatch_rows, replayed.replayed_routes_match,
-                                  C.mean_abs_diff(replayed.logprobs, samples), unreplayed_diff,
-                                  C.mean_abs_diff(shifted.logprobs, samples), engine_dtype=engine_dtype,
-                                  layout=self.layout())
+            (with_replay, prompts), (without, _), (off_by_one, _) = (
+                C.per_sample_abs_diff(p.logprobs, samples) for p in (replayed, live, shifted))
+            return C.replay_exact(replayed.replay_mismatch_rows, replayed.replayed_routes_match, with_replay,
+                                  without, off_by_one, prompts, layout=self.layout())
 
         # every pass on the batch's own weights first: the weight sync check trains a step
         self.check("replay is exact", replay_check if routed else lambda: C.skipped("replay is exact", no_routes))

@@ -28,17 +28,22 @@ ORDER = ("engine token", "engine capture", "layer map", "routes are the model's"
 
 # What the engine's precision lets its router disagree with the trainer's on one layer, given that layer's inputs
 # (teacher-forced: the engine's routes replayed into every layer before it, so flips do not compound with depth).
-# A flip needs the engine's rounding to swap the k-th and (k+1)-th expert; rounding to a dtype of unit roundoff u
-# moves a logit x by at most u|x|, so only a row whose margin (k-th minus (k+1)-th logit, on the trainer's logits)
-# is under u (|k-th| + |(k+1)-th|) can flip that way: the route probe counts those rows per layer (``reachable``).
-# A layer's bound is that share plus two binomial standard errors of it and FLIP_ROWS rows (kernels' accumulation
-# order moves float32 logits by more than float32's own u). On the tiny model in bf16 (docs/doctor.md) the reachable
-# share is 0.12-0.78% a layer and a sound stack flips 0.12-0.81%, nearly those very rows (bounds 0.32-1.16%), while
-# the routes of one training step away flip 2.3-2.5%.
+# A flip needs the engine's rounding to swap the k-th and (k+1)-th expert. Rounding to a dtype of unit roundoff u
+# moves a router logit x = w . h by u|x| where the engine rounds the logit (Qwen3's gate outputs the engine's dtype)
+# and by about u ||w * h||_2 where it rounds the router's input (vLLM's GLM-4.5 gate computes in float32 and sees
+# only this); a sigmoid router's score moves by the sigmoid's slope times that (``r3rl.train.replay.rounding_reach``).
+# The route probe counts per layer the rows whose margin is within that reach (``reachable``). A layer's bound is
+# that share plus two binomial standard errors and FLIP_ROWS rows (kernels' accumulation order moves float32 logits
+# by more than float32's own u). Measured on the tiny models in bf16 (docs/doctor.md): Qwen3's sound stack flips
+# 0.12-0.81% a layer under bounds of 1.1-2.7%, its routes a step away 2.3-2.5%; GLM-4.5's flips 0.06-0.69% under
+# 1.2%, a step away 1.8-1.9%.
 FLIP_ROWS = 3
 # Mean |trainer - engine| log-prob per response token the engine's dtype alone explains (the tiny model: ~2e-3 in
 # bf16, ~1e-6 in float32; large models in bf16: 1e-2 .. 3e-2, r3-contract.md §3)
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
+# Check 4's one-sided test: replay may raise the per-sample log-prob mismatch by at most this many standard errors
+# (clustered by prompt); on a sound stack it can only lower it, so a false alarm is rarer than 1 in 700
+REPLAY_Z = 3.0
 
 
 @dataclass(frozen=True)
@@ -153,10 +158,10 @@ def routes_are_the_models(flip_per_layer: np.ndarray, reachable_per_layer: np.nd
               "near_miss_flip_per_layer": None if near is None else near.tolist(),
               "logprob_abs_diff_no_replay": logprob_diff, "logprob_tolerance": tol}
     u = M.UNIT_ROUNDOFF.get(engine_dtype, float("nan"))
-    why = (f"flips per layer <= {', '.join(f'{b:.2%}' for b in bounds)}: the layer's rows whose router margin is "
-           f"under u (|k-th logit| + |(k+1)-th logit|), u = {u:.3g} for a {engine_dtype} engine (rounding moves a "
-           f"logit by at most u|x|), plus 2 binomial standard errors and {FLIP_ROWS} rows; |dlogp| <= {tol:.0e}, what "
-           f"a {engine_dtype} engine's rounding alone explains")
+    why = (f"flips per layer <= {', '.join(f'{b:.2%}' for b in bounds)}: the layer's rows whose router margin a "
+           f"{engine_dtype} engine's rounding can close (u = {u:.3g}; a logit x = w.h moves by u|x| + u||w*h||_2, "
+           f"rounded itself and through its input; a sigmoid score by its slope times that), plus 2 binomial standard "
+           f"errors and {FLIP_ROWS} rows; |dlogp| <= {tol:.0e}, what a {engine_dtype} engine's rounding alone explains")
     return dataclasses.replace(_routes_verdict(name, flips, bounds, over, control, near, logprob_diff, tol, values),
                                bound=why)
 
@@ -199,41 +204,66 @@ def shifted_routes(samples: Sequence[Sample]) -> list[Sample]:
             for s in samples]
 
 
-def replay_exact(mismatch_rows: int, routes_match: bool | None, replayed_diff: float, unreplayed_diff: float,
-                 shifted_diff: float, *, engine_dtype: str, layout: str) -> Check:
+def replay_exact(mismatch_rows: int, routes_match: bool | None, replayed: np.ndarray, unreplayed: np.ndarray,
+                 shifted: np.ndarray, prompts: np.ndarray, *, layout: str) -> Check:
     """With replay, every (token, layer) row Megatron routed equals the engine's route for that token and layer
     (0 mismatched rows through the configured packing and parallel split), and replay does not raise the log-prob
-    mismatch above the unreplayed one by more than the dtype's tolerance. The control, the routes shifted by one row
-    and replayed, must break that same rule (its log-prob mismatch above the unreplayed one plus the tolerance)."""
+    mismatch: per sample, replayed minus unreplayed |dlogp| (``replayed``, ``unreplayed``: per-sample
+    ``logprob_abs_diff``), whose mean may not exceed ``REPLAY_Z`` standard errors clustered by prompt (``prompts``:
+    each sample's), since replaying the engine's routes can only remove routing noise. The control, the routes
+    shifted by one row and replayed (``shifted``), must break that same rule."""
     name = "replay is exact"
-    tol = LOGPROB_TOLERANCE.get(engine_dtype, 5e-2)
-    values = {"replay_mismatch_rows": mismatch_rows, "logprob_abs_diff": replayed_diff,
-              "logprob_abs_diff_no_replay": unreplayed_diff, "shifted_control_logprob_abs_diff": shifted_diff,
-              "logprob_tolerance": tol, "layout": layout}
-    figure = (f"{mismatch_rows} mismatched rows ({layout}); |dlogp| {replayed_diff:.2e} replayed vs "
-              f"{unreplayed_diff:.2e} not (tolerance {tol:.0e}); one-row shift replayed {shifted_diff:.2e}")
-    why = (f"0 mismatched rows (exact); replayed |dlogp| <= unreplayed + {tol:.0e} (a {engine_dtype} engine's "
-           "rounding), a bound the one-row-shifted routes must break")
-    return dataclasses.replace(_replay_verdict(name, mismatch_rows, routes_match, replayed_diff, unreplayed_diff,
-                                               shifted_diff, tol, figure, values), bound=why)
+    rise, rise_se = M.paired_delta(replayed, unreplayed, prompts)
+    shift, shift_se = M.paired_delta(shifted, unreplayed, prompts)
+    values = {"replay_mismatch_rows": mismatch_rows, "logprob_abs_diff": float(np.mean(replayed)),
+              "logprob_abs_diff_no_replay": float(np.mean(unreplayed)),
+              "shifted_control_logprob_abs_diff": float(np.mean(shifted)), "replay_rise": rise,
+              "replay_rise_stderr": rise_se, "shifted_rise": shift, "shifted_rise_stderr": shift_se,
+              "prompts": int(np.unique(prompts).size), "z": REPLAY_Z, "layout": layout}
+    figure = (f"{mismatch_rows} mismatched rows ({layout}); |dlogp| {values['logprob_abs_diff']:.2e} replayed vs "
+              f"{values['logprob_abs_diff_no_replay']:.2e} not ({rise:+.1e} +- {rise_se:.1e}); one-row shift "
+              f"replayed {values['shifted_control_logprob_abs_diff']:.2e} ({_in_se(shift, shift_se)})")
+    why = (f"0 mismatched rows (exact); replay raises |dlogp| by at most {REPLAY_Z:g} standard errors (per sample, "
+           f"replayed minus unreplayed, clustered by prompt over {values['prompts']} prompts), a rule the "
+           "one-row-shifted routes must break")
+    return dataclasses.replace(_replay_verdict(name, mismatch_rows, routes_match, (rise, rise_se),
+                                               (shift, shift_se), figure, values), bound=why)
 
 
-def _replay_verdict(name: str, mismatch_rows: int, routes_match: bool | None, replayed_diff: float,
-                    unreplayed_diff: float, shifted_diff: float, tol: float, figure: str, values: dict) -> Check:
+def _in_se(delta: float, se: float) -> str:
+    return f"{delta:+.1e}, {delta / se:.1f} se" if se > 0 else f"{delta:+.1e}"
+
+
+def _replay_verdict(name: str, mismatch_rows: int, routes_match: bool | None, rise: tuple[float, float],
+                    shift: tuple[float, float], figure: str, values: dict) -> Check:
     if mismatch_rows or not routes_match:
         return Check(name, FAIL, figure, "Megatron routed rows otherwise than the routes replayed into them"
                      if mismatch_rows else "no replayed row was checked",
                      "a replay bug in this layout: try trainer.packing=false, then a smaller parallel split "
                      "(parallelism.trainer.*) to find the part at fault", values)
-    if shifted_diff <= unreplayed_diff + tol:
-        return Check(name, FAIL, figure, f"routes shifted by one row and replayed raise the log-prob mismatch to "
-                     f"only {shifted_diff:.2e}, within the tolerance: a misaligned replay would go unnoticed",
-                     "more samples (algorithm.rollout_batch_size)", values)
-    # replay can only remove routing mismatch; more than noise added means routes landed on the wrong tokens
-    if replayed_diff > unreplayed_diff + tol:
-        return Check(name, FAIL, figure, "replay made the log-prob mismatch worse: routes on the wrong tokens",
+    if not np.isfinite(shift[1]):
+        return Check(name, FAIL, figure, "one prompt gives no standard error to test the log-prob rise against",
+                     "at least 2 prompts (algorithm.rollout_batch_size)", values)
+    if shift[0] <= REPLAY_Z * shift[1]:
+        return Check(name, FAIL, figure, f"routes shifted by one row and replayed raise the log-prob mismatch by "
+                     f"only {shift[0]:+.1e} ({_in_se(*shift)}), within {REPLAY_Z:g} standard errors: a misaligned "
+                     "replay would go unnoticed", "more prompts (algorithm.rollout_batch_size): the standard error "
+                     "falls as one over their square root", values)
+    # replay can only remove routing noise; a rise beyond noise means routes landed on the wrong tokens
+    if rise[0] > REPLAY_Z * rise[1]:
+        return Check(name, FAIL, figure, f"replay raised the log-prob mismatch by {rise[0]:+.1e} "
+                     f"({_in_se(*rise)}): routes on the wrong tokens",
                      "trainer.packing=false to see whether packing misplaces them", values)
     return Check(name, PASS, figure, values=values)
+
+
+def per_sample_abs_diff(trainer_lps: Sequence[np.ndarray], samples: Sequence[Sample]
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample with a response token, slime's |trainer - rollout| log-prob mismatch, and the sample's prompt
+    (what its standard error clusters by)."""
+    masks = [s.loss_mask for s in samples]
+    diffs = M.logprob_abs_diff_per_sample(trainer_lps, [s.rollout_logprobs for s in samples], masks)
+    return diffs, np.asarray([s.group for s, m in zip(samples, masks) if m.sum() > 0])
 
 
 # ---------------------------------------------------------------------------------------------- 5. weight sync

@@ -4,6 +4,8 @@ engine, a quantised rollout router."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from r3rl.doctor import checks as C
@@ -94,16 +96,56 @@ def test_the_shift_control_moves_every_route_one_row_down():
 
 
 def test_replay_fails_on_a_mismatched_row_on_a_blind_control_and_on_a_worse_mismatch():
-    """The control is held to the check's own rule: the shifted routes, replayed, must raise the log-prob mismatch
-    past the unreplayed one plus the tolerance. Fails if a replay with mismatched rows, one whose shifted control
-    stayed within that rule (0.07 against 0.028 + 0.05), or one that made the log-prob mismatch worse than no replay
-    passed."""
-    args = dict(engine_dtype="bfloat16", layout="packed")
-    assert C.replay_exact(0, True, 0.009, 0.028, 0.9, **args).status == C.PASS
-    assert C.replay_exact(3, True, 0.009, 0.028, 0.9, **args).status == C.FAIL
-    assert C.replay_exact(0, None, 0.009, 0.028, 0.9, **args).status == C.FAIL
-    assert "unnoticed" in C.replay_exact(0, True, 0.009, 0.028, 0.07, **args).detail
-    assert "worse" in C.replay_exact(0, True, 0.2, 0.028, 0.9, **args).detail
+    """The control is held to the check's own rule: the shifted routes, replayed, must raise the per-sample log-prob
+    mismatch past the unreplayed one by more than 3 standard errors clustered by prompt. GLM-4.5's stand-in shows
+    the case a fixed bf16 tolerance (5e-2) missed: a shift that raises |dlogp| from 1.2e-3 to 2.4e-2 on every prompt
+    must be caught. Fails if a replay with mismatched rows, one whose shifted control rose by noise alone, one that
+    raised the mismatch on every prompt, or one with a single prompt (no standard error) passed; or if a replay that
+    moved |dlogp| by noise alone failed."""
+    rng = np.random.default_rng(0)
+    prompts = np.repeat(np.arange(8), 4)
+    unreplayed = 1.2e-3 + rng.normal(0, 3e-4, prompts.size)
+
+    def noise():
+        return rng.normal(0, 1e-4, prompts.size)
+
+    replayed, shifted = unreplayed - 3e-5 + noise(), unreplayed + 2.2e-2 + 10 * noise()
+    assert C.replay_exact(0, True, replayed, unreplayed, shifted, prompts, layout="packed").status == C.PASS
+    assert C.replay_exact(0, True, unreplayed + noise(), unreplayed, shifted, prompts, layout="x").status == C.PASS
+    assert C.replay_exact(3, True, replayed, unreplayed, shifted, prompts, layout="packed").status == C.FAIL
+    assert C.replay_exact(0, None, replayed, unreplayed, shifted, prompts, layout="packed").status == C.FAIL
+    blind = C.replay_exact(0, True, replayed, unreplayed, unreplayed + noise(), prompts, layout="packed")
+    assert blind.status == C.FAIL and "unnoticed" in blind.detail
+    worse = C.replay_exact(0, True, unreplayed + 2e-3 + noise(), unreplayed, shifted, prompts, layout="packed")
+    assert worse.status == C.FAIL and "raised the log-prob mismatch" in worse.detail
+    one = C.replay_exact(0, True, replayed, unreplayed, shifted, np.zeros_like(prompts), layout="packed")
+    assert one.status == C.FAIL and "one prompt" in one.detail
+
+
+def test_replay_rule_counts_prompts_not_samples():
+    """Samples of one prompt are not independent: a rise shared by the 4 samples of each prompt and opposite
+    between prompts has a standard error of the prompts' spread. Fails if the check's standard error were taken
+    over samples (the 32 samples would make a rise of noise look like 5 se)."""
+    prompts = np.repeat(np.arange(8), 4)
+    per_prompt = np.array([1, -1, 1, 1, -1, 1, 1, 1]) * 1e-3
+    unreplayed = np.full(prompts.size, 1e-3)
+    replayed = unreplayed + per_prompt[prompts] + np.tile([0, 1e-6, 0, -1e-6], 8)
+    shifted = unreplayed + 2e-2
+    check = C.replay_exact(0, True, replayed, unreplayed, shifted, prompts, layout="packed")
+    assert check.status == C.PASS and check.values["prompts"] == 8
+    samplewise = (replayed - unreplayed).mean() / ((replayed - unreplayed).std(ddof=1) / np.sqrt(prompts.size))
+    assert samplewise > C.REPLAY_Z  # the same figures, counted as 32 independent samples, would have failed
+
+
+def test_per_sample_abs_diff_drops_samples_without_tokens_with_their_prompt():
+    """Fails if a sample without a response token kept its prompt label (the labels would shift against the
+    values) or counted as a 0 mismatch."""
+    a, b, c = sample(0, good_routes(6, 1)), sample(1, good_routes(6, 1)), sample(2, good_routes(6, 1))
+    b = dataclasses.replace(b, loss_mask=np.zeros_like(b.loss_mask), group=7)
+    a, c = dataclasses.replace(a, group=3), dataclasses.replace(c, group=5)
+    lps = [s.rollout_logprobs + 0.5 for s in (a, b, c)]
+    diffs, prompts = C.per_sample_abs_diff(lps, [a, b, c])
+    assert prompts.tolist() == [3, 5] and np.allclose(diffs, 0.5)
 
 
 def sums(**values: str) -> dict[str, dict[str, str]]:
