@@ -16,7 +16,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from r3rl.config.schema import EnvConfig, R3RLConfig, freeze
+from r3rl.config.schema import EnvConfig, LoRAConfig, R3RLConfig, freeze
 from r3rl.data.arithmetic import SOLUTION_VERSION
 from r3rl.models.tiny_moe import ensure_checkpoint
 from recipes.common import console
@@ -38,7 +38,8 @@ def sft_config(cfg: R3RLConfig) -> R3RLConfig:
         cfg, recipe=dataclasses.replace(cfg.recipe, name="sft", run_name_suffix="-sft"), data=data, env=EnvConfig(),
         run=dataclasses.replace(cfg.run, num_steps=ws.num_steps, eval_every=0, save_every=ws.num_steps),
         # a constant rate: the cosine's tail teaches the tiny model too little arithmetic in a short warm start
-        trainer=dataclasses.replace(cfg.trainer, lr=ws.lr, min_lr=ws.lr, freeze_router=False),
+        # full-parameter: a LoRA run's adapters start on the warm start's weights (trainer.lora is GRPO's alone)
+        trainer=dataclasses.replace(cfg.trainer, lr=ws.lr, min_lr=ws.lr, freeze_router=False, lora=LoRAConfig()),
         sft=dataclasses.replace(cfg.sft, batch_size=ws.batch_size))
 
 
@@ -53,7 +54,8 @@ def fingerprint(cfg: R3RLConfig) -> dict:
             "data": {k: v for k, v in keep(sft.data).items() if k != "path"}, "warm_start": keep(cfg.warm_start),
             # transformer_overrides too: a load-balancing loss or another router setting shapes the weights
             "trainer": {k: dict(v) if isinstance(v, dict) else v for k, v in keep(sft.trainer).items()
-                        if k != "freeze_router"},  # GRPO's alone: a frozen run starts from the same warm start
+                        # GRPO's alone: a frozen or LoRA run starts from the same warm start
+                        if k not in ("freeze_router", "lora")},
             "parallelism": cfg.parallelism.name, "seed": cfg.run.seed}
 
 

@@ -290,6 +290,10 @@ def megatron_config(cfg: R3RLConfig, params_dtype: str) -> dict[str, Any]:
                    rope_type="rope", qk_layernorm=True)
     on_gpu = cfg.parallelism.device == "cuda"
     out.update({key: on_gpu for key in GPU_SPEED_SETTINGS})
+    if tr.lora.rank > 0:
+        # LoRA's adapters hook Megatron's own linears and each expert of a SequentialMLP (r3rl.train.lora): no
+        # grouped GEMM of the experts, and no fused weight-gradient accumulation into the frozen base weights
+        out.update(moe_grouped_gemm=False, gradient_accumulation_fusion=False)
     if tr.recompute_granularity == "full":
         out.update(recompute_method="uniform", recompute_num_layers=1)
     out.update(tr.transformer_overrides)

@@ -175,6 +175,16 @@ class TrainerCheckpointConfig(Frozen):
 
 
 @dataclass
+class LoRAConfig(Frozen):
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["attention", "experts"])
+    expert_adapters: str = "per_expert"
+    sync: str = "merged"
+
+
+@dataclass
 class TrainerConfig(Frozen):
     name: str = "megatron"
     params_dtype: str = "auto"
@@ -198,6 +208,7 @@ class TrainerConfig(Frozen):
     optimizer_offload_fraction: float = 1.0
     precision_aware_optimizer: bool = False
     checkpoint: TrainerCheckpointConfig = field(default_factory=TrainerCheckpointConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
 
 

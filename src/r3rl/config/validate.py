@@ -16,6 +16,7 @@ from r3rl.config.modes import (CORRECTION_NAMES, GROUP_INTAKE_NAMES, LOSS_NAMES,
                                REPLAY_NAMES, SPLIT_NAMES, TRAIN_SPLIT, WEIGHT_UPDATE_NAMES, replay_mode)
 from r3rl.config.schema import R3RLConfig
 from r3rl.config.families import family_problems, param_counts
+from r3rl.config.lora import lora_problems
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -528,6 +529,7 @@ def validate(cfg: R3RLConfig) -> None:
           f"must be null or > 0, got {par.host_memory_gib}")
     check(par.cpus_per_gpu is None or par.cpus_per_gpu > 0, "parallelism.cpus_per_gpu",
           f"must be null or > 0, got {par.cpus_per_gpu}")
+    problems.extend(lora_problems(cfg))
 
     if problems:
         raise ConfigError(problems)

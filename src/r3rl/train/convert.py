@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from r3rl.config.schema import ModelConfig
+from r3rl.train import lora
 
 
 @dataclass(frozen=True)
@@ -315,9 +316,10 @@ def layer_numbers(model) -> dict[int, int]:
 
 
 def named_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """The tensors an HF checkpoint holds: every parameter, and the routers' ``expert_bias`` buffers."""
+    """The tensors an HF checkpoint holds: every parameter but LoRA's adapters (an export merges them into their
+    weights, ``r3rl.train.lora.effective``), and the routers' ``expert_bias`` buffers."""
     buffers = [(n, b) for n, b in model.named_buffers() if n.endswith("mlp.router.expert_bias")]
-    return list(model.named_parameters()) + buffers
+    return [(n, p) for n, p in model.named_parameters() if not lora.is_adapter(n)] + buffers
 
 
 def _refs(model, info: ShardInfo) -> list[tuple[str, torch.Tensor, ParamRef]]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from r3rl.train import lora
 from r3rl.train.convert import (
     TOKENIZER_AND_CONFIG,
     HFCheckpoint,
@@ -194,7 +195,7 @@ class HFBucketStream:
         if not first_replica:
             return None
         size, _ = self.info.of(item.ref)
-        data = param.detach()
+        data = lora.effective(param)  # an adapted weight goes out merged: W + (alpha / r) B A
         if pdim is not None and size > 1:
             expert = item.ref.kind in ("fc1", "fc2")
             group = self._ps.get_expert_tensor_parallel_group() if expert else \

@@ -39,6 +39,8 @@ class ModelSettings:
     rotary_percent: float
     use_distributed_optimizer: bool
     dtype: torch.dtype
+    # LoRA adapters go on this model (trainer.lora): Megatron's own linears, not TransformerEngine's
+    adapters: bool = False
 
 
 def model_settings(cfg: R3RLConfig, *, replay: bool | None = None) -> ModelSettings:
@@ -80,6 +82,7 @@ def model_settings(cfg: R3RLConfig, *, replay: bool | None = None) -> ModelSetti
         rotary_percent=model["rotary_percent"],
         use_distributed_optimizer=ddp["use_distributed_optimizer"],
         dtype=dtype,
+        adapters=cfg.trainer.lora.rank > 0,
     )
 
 
@@ -102,14 +105,20 @@ MLA_WITHOUT_Q_LATENT = (
     "allow it)")
 
 
-def layer_spec(config):
+def uses_transformer_engine(have_te: bool, cpu: bool, adapters: bool) -> bool:
+    """Whether the layer spec takes TransformerEngine's modules: where TE is installed, on GPUs, and not under LoRA,
+    whose adapters hook Megatron's own parallel linears (``r3rl.train.lora``; TE's fuse the layer norm in)."""
+    return have_te and not cpu and not adapters
+
+
+def layer_spec(config, *, adapters: bool = False):
     """Megatron's decoder block spec: a dense MLP in the leading layers ``moe_layer_freq`` marks 0 (GLM-4.5,
     DeepSeek-V3), a MoE block in the others, each with the model's own q/k norms and qkv bias from ``config``."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron.core.transformer.identity_op import IdentityOp
 
-    use_te = gpt_layer_specs.HAVE_TE and not hardware.cpu_active()
+    use_te = uses_transformer_engine(gpt_layer_specs.HAVE_TE, hardware.cpu_active(), adapters)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if getattr(config, "multi_latent_attention", False) and config.q_lora_rank is None:
         if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None:
@@ -134,7 +143,7 @@ def build_gpt(settings: ModelSettings, device: torch.device):
     config = transformer_config(settings)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, adapters=settings.adapters),
         vocab_size=settings.vocab_size,
         max_sequence_length=settings.max_sequence_length,
         pre_process=ps.is_pipeline_first_stage(),

@@ -14,7 +14,7 @@ import torch
 from r3rl import metrics as M
 from r3rl.config.modes import resolve_dtype, soft_replay_ratio
 from r3rl.config.schema import R3RLConfig
-from r3rl.train import checkpoint, convert, distributed, export, offload, optim
+from r3rl.train import checkpoint, convert, distributed, export, lora, offload, optim
 from r3rl.train import model as model_lib
 from r3rl.train.batch import RouteShape
 from r3rl.train.checkpointing import Checkpointing
@@ -61,7 +61,9 @@ class MegatronTrainer(PolicySteps, Checkpointing):
 
         self.bare = model_lib.build_gpt(self.settings, self.device)
         convert.load_hf(self.bare, convert.HFCheckpoint(self.source), self.attention)
-        if cfg.trainer.freeze_router:  # before DDP and the optimizer: no gradient buffer, no optimizer state
+        if cfg.trainer.lora.rank > 0:  # before DDP and the optimizer: only the adapters get buffers and state
+            lora.add_adapters(self.bare, cfg.trainer.lora, cfg.run.seed)
+        elif cfg.trainer.freeze_router:  # the same for the routers alone
             for router in model_lib.routers(self.bare):
                 router.requires_grad_(False)
         self.model = model_lib.wrap_ddp(self.bare, self.settings)

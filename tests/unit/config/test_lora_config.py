@@ -1,0 +1,67 @@
+"""``trainer.lora`` is checked before launch, and a LoRA run's Megatron settings follow from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from r3rl.config import ConfigError
+from r3rl.plan import megatron_config
+from r3rl.preflight import compose
+from r3rl.train.model import uses_transformer_engine
+
+CPU = "parallelism=cpu"
+GPU = "parallelism=colocated"
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["trainer.lora.targets=[attention,router]"], "trainer.lora.targets", "router is never adapted"),
+    (["trainer.lora.targets=[attention,atention]"], "trainer.lora.targets", "unknown target(s) ['atention']"),
+    (["trainer.lora.targets=[]"], "trainer.lora.targets", "at least one"),
+    (["trainer.lora.targets=[experts,experts]"], "trainer.lora.targets", "twice"),
+    (["trainer.lora.targets=[shared_experts]"], "trainer.lora.targets", "has no shared experts"),
+    (["trainer.lora.targets=[dense_mlp]"], "trainer.lora.targets", "has no dense layers"),
+    (["trainer.lora.dropout=0.05"], "trainer.lora.dropout", "not the policy that generated the rollout"),
+    (["trainer.lora.alpha=0"], "trainer.lora.alpha", "must be > 0"),
+    (["trainer.lora.rank=64"], "trainer.lora.rank", "full-parameter training"),
+    (["trainer.lora.expert_adapters=each"], "trainer.lora.expert_adapters", "per_expert"),
+    (["trainer.lora.sync=adapter"], "trainer.lora.sync", "fused_moe/oracle/unquantized.py:234-248"),
+])
+def test_a_bad_lora_setting_is_refused_naming_its_key(overrides, key, words):
+    """Fails if any rule were dropped: a router adapter (R3 replays the engine's routes into an unchanged router),
+    dropout (the trainer's forward would not be the rollout's policy), a target that adapts nothing on this model,
+    a rank as wide as the model, or the adapter-only sync on the CPU engine, which has no MoE LoRA kernel."""
+    with pytest.raises(ConfigError) as info:
+        compose([CPU, "trainer.lora.rank=8", *overrides])
+    assert any(k == key and words in reason for k, reason in info.value.problems), info.value.problems
+
+
+def test_lora_off_ignores_its_other_settings_and_the_defaults_pass():
+    """rank 0 is full-parameter training whatever the other keys say; rank 8 with the defaults (attention and
+    experts, per-expert adapters, merged sync) passes. Fails if an unused LoRA key refused a full-parameter run."""
+    assert compose([CPU, "trainer.lora.dropout=0.5"]).trainer.lora.rank == 0
+    assert compose([CPU, "trainer.lora.rank=8"]).trainer.lora.targets == ["attention", "experts"]
+    with pytest.raises(ConfigError, match="trainer.lora.rank: must be >= 0"):
+        compose([CPU, "trainer.lora.rank=-1"])
+
+
+def test_lora_under_a_tensor_parallel_split_is_refused_and_on_gpus_adapts_megatrons_own_linears():
+    """On GPUs a LoRA run's experts are a SequentialMLP (no grouped GEMM) and no fused weight-gradient accumulation
+    goes into the frozen base; without LoRA the GPU settings stay on. Tensor parallel is refused with LoRA until its
+    adapter shards are checkpointed. Fails if a LoRA GPU run kept grouped experts (the adapters would find no expert
+    linear to hook) or a TP split slipped through."""
+    full, lora = compose([GPU]), compose([GPU, "trainer.lora.rank=8"])
+    assert megatron_config(full, "bfloat16")["moe_grouped_gemm"] is True
+    settings = megatron_config(lora, "bfloat16")
+    assert settings["moe_grouped_gemm"] is False and settings["gradient_accumulation_fusion"] is False
+    with pytest.raises(ConfigError, match="parallelism.trainer.tensor_parallel: must be 1 with trainer.lora"):
+        compose([GPU, "trainer.lora.rank=8", "parallelism.trainer.tensor_parallel=2",
+                 "parallelism.trainer.sequence_parallel=true"])
+
+
+@pytest.mark.parametrize("have_te, cpu, adapters, expected", [
+    (True, False, False, True), (True, False, True, False), (False, False, False, False), (True, True, False, False)])
+def test_transformer_engines_linears_only_without_adapters(have_te, cpu, adapters, expected):
+    """The decision the GPU path takes, with TE's install simulated: TE's modules where it is installed on a GPU,
+    Megatron's own linears under LoRA. Fails if a LoRA run on a GPU with TE built TE's fused linears, which the
+    adapters cannot hook."""
+    assert uses_transformer_engine(have_te, cpu, adapters) is expected
