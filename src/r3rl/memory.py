@@ -63,6 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from r3rl.config.families import kv_cache_per_token_layer, param_counts
+from r3rl.config.lora import adapter_counts
 from r3rl.config.schema import R3RLConfig
 
 GIB = 1024**3
@@ -244,8 +245,11 @@ def _staged(cfg: R3RLConfig, params_dtype: str, gathered: float) -> float:
 
 
 def checkpoint_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
-    """Disk of one checkpoint: each parameter once in ``params_dtype`` and its optimizer state (12 B)."""
-    return int(param_counts(cfg.model).total * (DTYPE_BYTES[params_dtype] + OPTIMIZER_CHECKPOINT_BYTES))
+    """Disk of one checkpoint: each parameter once in ``params_dtype`` and the optimizer state (12 B) of each one
+    trained (under LoRA the adapters, stored beside the frozen base)."""
+    total, adapters = param_counts(cfg.model).total, sum(adapter_counts(cfg.model, cfg.trainer.lora))
+    trained = adapters if cfg.trainer.lora.rank > 0 else total
+    return int((total + adapters) * DTYPE_BYTES[params_dtype] + trained * OPTIMIZER_CHECKPOINT_BYTES)
 
 
 def _local_split(cfg: R3RLConfig) -> tuple[int, int]:
@@ -262,10 +266,21 @@ def _local_params(cfg: R3RLConfig) -> int:
     return sum(_local_split(cfg))
 
 
+def _trained_split(cfg: R3RLConfig) -> tuple[int, int]:
+    """(dense, expert) parameters one trainer rank trains: all it holds, or under LoRA its adapters alone (split as
+    their linears are: dense over PP, per-expert adapters over EP x PP; LoRA refuses tensor parallel)."""
+    if cfg.trainer.lora.rank <= 0:
+        return _local_split(cfg)
+    t = cfg.parallelism.trainer
+    dense, experts = adapter_counts(cfg.model, cfg.trainer.lora)
+    pp = t.pipeline_parallel
+    return -(-dense // pp), -(-experts // pp) // (t.expert_parallel * t.expert_tensor_parallel)
+
+
 def _optimizer_shard(cfg: R3RLConfig) -> float:
     """Parameters of one trainer rank's optimizer shard (dense over DP x CP, experts over expert-data parallel)."""
     t = cfg.parallelism.trainer
-    dense, experts = _local_split(cfg)
+    dense, experts = _trained_split(cfg)
     if not cfg.trainer.use_distributed_optimizer:
         return dense + experts
     dp = max(t.num_gpus // (t.tensor_parallel * t.pipeline_parallel * t.context_parallel), 1) * t.context_parallel
@@ -284,7 +299,9 @@ def trainer_parts(cfg: R3RLConfig, params_dtype: str) -> tuple[list[Part], int]:
     tp, pp, cp, etp = t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_tensor_parallel
     layers = -(-m.num_layers // pp)
     width = DTYPE_BYTES[params_dtype]
-    local = _local_params(cfg)
+    trained = sum(_trained_split(cfg))
+    # the weights held: the base and, under LoRA, the adapters beside it (which alone have gradients)
+    local = _local_params(cfg) + (trained if tr.lora.rank > 0 else 0)
     master_width = 4 if width != 4 else 0
     shard = _optimizer_shard(cfg)  # Megatron shards dense state over DP x CP, experts over expert-data parallel
     on_host = _on_host(cfg)
@@ -311,7 +328,7 @@ def trainer_parts(cfg: R3RLConfig, params_dtype: str) -> tuple[list[Part], int]:
 
     parts = [
         Part("weights", int(local * width)),
-        Part("gradients", int(local * 4)),
+        Part("gradients", int(trained * 4)),
         Part("master weights", int(shard * master_width * master_on_gpu)),
         Part("optimizer state", int(shard * 8 * (1 - on_host))),
         Part("activations", int(activations)),

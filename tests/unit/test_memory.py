@@ -18,7 +18,7 @@ from r3rl.plan import build_plan
 
 REPO = CONF_DIR.parent
 
-EXPERIMENTS = ("qwen3_30b_r3_4p4", "qwen3_30b_r3_colocated", "glm45_air_r3_2n", "moonlight_16b_r3_4p4")
+EXPERIMENTS = ("qwen3_30b_r3_4p4", "qwen3_30b_r3_colocated", "glm45_air_r3_2n", "moonlight_16b_r3_4p4")  # full-parameter
 
 
 def parts(gpu) -> dict[str, float]:
@@ -394,3 +394,29 @@ def test_in_flight_settings_whose_sequences_outgrow_the_kv_cache_are_refused_nam
     assert ("algorithm.group_buffer" if intake else "rollout.engine.max_concurrency") in reason
     # between batches nothing is recomputed under other weights: the same KV cache is no problem there
     compose(["parallelism=cpu", "rollout.engine.kv_cache_memory_bytes=8388608"])
+
+
+def test_lora_on_one_node_fits_and_the_plan_shows_what_it_saves():
+    """``experiment=qwen3_30b_r3_lora_colocated``: the frozen bf16 base and, beside it, rank-32 adapters on
+    attention and every expert; only the adapters have fp32 gradients, masters and Adam state, all on the GPU (no
+    offload). Against the full-parameter colocated layout of the same node: the same base weights, gradients 30x
+    smaller, no host-offloaded optimizer, a checkpoint a fifth the size. Fails if the plan gave the frozen base
+    gradients or optimizer state (the layout would be refused as out of memory), or counted the adapters nowhere."""
+    from r3rl.config.lora import adapter_counts
+    from r3rl.memory import checkpoint_bytes
+
+    lora, full = (compose([f"experiment={e}"]) for e in ("qwen3_30b_r3_lora_colocated", "qwen3_30b_r3_colocated"))
+    plan, base = build_plan(lora).memory, build_plan(full).memory
+    assert plan.over_budget() == [] and plan.host_offload_bytes == 0
+    p, q = parts(plan.gpus[0]), parts(base.gpus[0])
+    dense, experts = adapter_counts(lora.model, lora.trainer.lora)
+    per_rank = dense + experts / 8  # attention adapters on every rank, each rank's 16 experts' adapters
+    assert p["trainer/gradients"] == pytest.approx(per_rank * 4 / GIB, rel=1e-3)
+    assert p["trainer/weights"] == pytest.approx(q["trainer/weights"] + per_rank * 2 / GIB, rel=1e-3)
+    assert q["trainer/gradients"] / p["trainer/gradients"] > 25
+    # the distributed optimizer shards the attention adapters' state over the 8 data-parallel ranks
+    assert p["trainer/optimizer state"] == pytest.approx((dense + experts) / 8 * 8 / GIB, rel=1e-3)
+    assert checkpoint_bytes(lora, "bfloat16") < checkpoint_bytes(full, "bfloat16") / 5
+    # rank 32 on 48 layers: 128 experts x (32 x (2048 + 1536) + 32 x (768 + 2048)) each, and q, k, v, o
+    assert experts == 48 * 128 * 32 * (2048 + 1536 + 768 + 2048)
+    assert dense == 48 * 32 * ((2048 + 4096 + 2 * 512) + (4096 + 2048))

@@ -192,20 +192,28 @@ def param_counts(model) -> ParamCounts:
     return ParamCounts(dense, experts, embeddings)
 
 
-def _attention_params(model) -> int:
+def attention_linears(model) -> list[tuple[int, int]]:
+    """(in, out) of each of a layer's attention projections: q, k and v as one, or multi-latent attention's query
+    (through its latent, or one projection), kv latent with the shared rope key, the latent's expansion to every
+    head's key and value; then the output projection."""
     h, heads = model.hidden_size, model.num_attention_heads
     if model.kv_lora_rank is None:
         q, kv = heads * model.head_dim, model.num_query_groups * model.head_dim
-        return h * (q + 2 * kv) + q * h + (2 * model.head_dim if model.qk_norm else 0) \
-            + ((q + 2 * kv) if model.qkv_bias else 0)
-    # multi-latent attention: the query (through its latent and norm, or one projection), the kv latent with the
-    # shared rope key and its norm, the latent's expansion to every head's key and value, the output projection
+        return [(h, q + 2 * kv), (q, h)]
     q = heads * (model.qk_nope_head_dim + model.qk_rope_head_dim)
     rank = model.q_lora_rank
-    query = h * q if rank is None else h * rank + rank + rank * q
-    latent = h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
-    expand = model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim)
-    return query + latent + expand + heads * model.v_head_dim * h
+    query = [(h, q)] if rank is None else [(h, rank), (rank, q)]
+    return [*query, (h, model.kv_lora_rank + model.qk_rope_head_dim),
+            (model.kv_lora_rank, heads * (model.qk_nope_head_dim + model.v_head_dim)), (heads * model.v_head_dim, h)]
+
+
+def _attention_params(model) -> int:
+    weights = sum(i * o for i, o in attention_linears(model))
+    if model.kv_lora_rank is None:
+        q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
+        return weights + (2 * model.head_dim if model.qk_norm else 0) + ((q + 2 * kv) if model.qkv_bias else 0)
+    # the query latent's norm (where there is one) and the kv latent's
+    return weights + (model.q_lora_rank or 0) + model.kv_lora_rank
 
 
 def kv_cache_per_token_layer(model, tensor_parallel: int) -> int:

@@ -7,7 +7,8 @@ serves the adapted weights without it), and the adapter-only sync needs an engin
 
 from __future__ import annotations
 
-from r3rl.config.schema import R3RLConfig
+from r3rl.config.families import attention_linears
+from r3rl.config.schema import LoRAConfig, ModelConfig, R3RLConfig
 
 # target name -> the Megatron linears it adapts (module names under a decoder layer; MLA's own projections with
 # the attention's)
@@ -79,3 +80,29 @@ def lora_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
         check(cfg.parallelism.device != "cpu", "sync", ADAPTER_SYNC_ON_CPU)
         check(cfg.parallelism.device == "cpu", "sync", ADAPTER_SYNC_NOT_BUILT)
     return problems
+
+
+def adapter_counts(model: ModelConfig, lora: LoRAConfig) -> tuple[int, int]:
+    """(dense, expert) adapter parameters of the whole model: r (in + out) per adapted linear. Shared expert
+    adapters are dense parameters (one pair per layer, replicated over the expert-parallel ranks); per-expert ones
+    split with their experts."""
+    if lora.rank <= 0:
+        return 0, 0
+    h, r = model.hidden_size, lora.rank
+
+    def mlp(width: int) -> int:  # SwiGLU: fc1 (gate and up) and fc2
+        return r * (h + 2 * width) + r * (width + h)
+
+    dense = experts = 0
+    if "attention" in lora.targets:
+        dense += model.num_layers * sum(r * (i + o) for i, o in attention_linears(model))
+    if "experts" in lora.targets:
+        if lora.expert_adapters == "shared":
+            dense += model.num_moe_layers * mlp(model.moe_ffn_hidden_size)
+        else:
+            experts += model.num_moe_layers * model.num_experts * mlp(model.moe_ffn_hidden_size)
+    if "shared_experts" in lora.targets:
+        dense += model.num_moe_layers * mlp(model.num_shared_experts * model.moe_ffn_hidden_size)
+    if "dense_mlp" in lora.targets:
+        dense += model.first_k_dense * mlp(model.ffn_hidden_size or 0)
+    return dense, experts
