@@ -148,6 +148,21 @@ def update_meta(folder: Path, meta: CheckpointMeta) -> None:
     _fsync(Path(folder))
 
 
+def lora_mismatch(path, saved: dict | None, now: dict | None) -> str | None:
+    """Why a checkpoint cannot be resumed under another ``trainer.lora`` (its model holds other adapter tensors, or
+    none); None when the adapters are the same. ``saved`` / ``now``: rank, targets and expert adapters, None for
+    full-parameter training."""
+    if saved == now:
+        return None
+
+    def says(lora):
+        return "no LoRA" if lora is None else "trainer.lora " + ", ".join(f"{k}={v}" for k, v in lora.items())
+
+    return (f"{path} was saved with {says(saved)}, and this run has {says(now)}: the checkpoint's adapters (or "
+            "their absence) do not fit this model; resume with the same trainer.lora, or start a new run "
+            "(another run.output_dir) from its exported weights (python -m r3rl.export merges the adapters)")
+
+
 def freeze_router_mismatch(path, saved: bool) -> str:
     """Why a checkpoint's optimizer state cannot be resumed with ``trainer.freeze_router`` toggled (frozen routers
     have no optimizer state, so the state's shapes differ)."""

@@ -68,7 +68,14 @@ class Checkpointing:
                                      "optimizer_format": self.optimizer_format, "model_name": self.cfg.model.name,
                                      "model_shape": run_checkpoint.model_shape(self.cfg.model),
                                      # frozen routers have no optimizer state: the state's shapes depend on it
-                                     "freeze_router": self.cfg.trainer.freeze_router})
+                                     "freeze_router": self.cfg.trainer.freeze_router,
+                                     # the adapters are tensors of the model: another LoRA cannot load them
+                                     "lora": self._lora_shape()})
+
+    def _lora_shape(self) -> dict | None:
+        lora = self.cfg.trainer.lora
+        return None if lora.rank <= 0 else {"rank": lora.rank, "targets": sorted(lora.targets),
+                                            "expert_adapters": lora.expert_adapters}
 
     def _save_queue(self):
         if self._saves is None:
@@ -100,6 +107,9 @@ class Checkpointing:
         wrong_model = run_checkpoint.model_mismatch(path, info, self.cfg.model)
         if wrong_model:
             raise ValueError(wrong_model)
+        wrong_adapters = run_checkpoint.lora_mismatch(path, info.get("lora"), self._lora_shape())
+        if wrong_adapters:
+            raise ValueError(wrong_adapters)
         with_optimizer = optimizer and info["optimizer_state"]
         if with_optimizer:
             self._check_optimizer_format(path, info)

