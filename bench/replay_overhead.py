@@ -37,7 +37,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from r3rl.config import compose
-    from r3rl.sample import Sample, SampleStatus
+    from bench_samples import random_samples
     from r3rl.train.trainer import MegatronTrainer
 
     cfg = compose(["model=tiny_moe", f"trainer.micro_batch_size={args.micro_batch}",
@@ -45,12 +45,7 @@ def main() -> None:
                    f"algorithm.n_samples_per_prompt={args.samples}", *args.overrides])
     trainer = MegatronTrainer(cfg)
     rng = np.random.default_rng(0)
-    prompt, response = args.tokens // 2, args.tokens - args.tokens // 2
-    samples = [Sample(index=i, group=0, request_id=str(i),
-                      prompt_ids=rng.integers(3, cfg.model.vocab_size, prompt).astype(np.int32),
-                      response_ids=rng.integers(3, cfg.model.vocab_size, response).astype(np.int32),
-                      rollout_logprobs=np.zeros(response, np.float32), loss_mask=np.ones(response, np.float32),
-                      finish_reason="length", status=SampleStatus.TRUNCATED) for i in range(args.samples)]
+    samples = random_samples(args.samples, args.tokens, cfg.model.vocab_size, rng)
     for sample, routes in zip(samples, trainer.record_routes(samples)):
         sample.routed_experts = routes
     advantages = rng.standard_normal(args.samples).astype(np.float32)
