@@ -170,3 +170,33 @@ def test_expert_parallel_2_trains_the_adapters_as_one_process_does(adapters, tmp
     assert abs(ep["metrics"]["loss"] - single["metrics"]["loss"]) <= 1e-6 * max(1.0, abs(single["metrics"]["loss"]))
     assert max(np.abs(a - b).max() for a, b in zip(ep["after"], single["after"])) < 1e-5
     assert max(np.abs(a - b).max() for a, b in zip(single["after"], single["replayed"])) > 1e-4  # the step moved it
+
+
+def test_tensor_parallel_2_adapters_count_the_update_once(tmp_path, torchrun_rendezvous):
+    """Megatron's ColumnParallelLinear then RowParallelLinear over 2 tensor-parallel ranks (real processes, gloo),
+    each with an adapter, against the same two linears in float64 by hand: the output, the input's gradient and
+    every adapter factor's gradient agree, and the replicated factors' gradients are equal on both ranks. The
+    trainer refuses LoRA under tensor parallel until the adapters' shards are checkpointed (TP on CPU needs sequence
+    parallel, which CPU LayerNorm refuses), so this is the split's only check before a GPU. Fails if the
+    row-parallel adapter's update were added on every rank before the reduce (miles #3232: counted twice), or a
+    replicated factor's gradient were left partial on each rank."""
+    import pickle
+
+    import megatron_lora_tp_worker as worker
+    from test_megatron_expert_parallel import finish, launch
+
+    out = tmp_path / "out.pkl"
+    finish(launch(2, [str(out)], tmp_path, torchrun_rendezvous(2), worker=worker.WORKER_PATH), tmp_path, timeout=120)
+    got = pickle.loads(out.read_bytes())
+    t = worker.full_tensors()
+    scale = worker.ALPHA / worker.RANK_R
+    a1, a2 = (got[k].clone().requires_grad_(True) for k in ("a1", "a2"))
+    b1, b2 = (t[k].clone().requires_grad_(True) for k in ("b1", "b2"))
+    x = t["x"].clone().requires_grad_(True)
+    mid = x @ t["w1"].T + scale * (x @ a1.T) @ b1.T
+    y = mid @ t["w2"].T + scale * (mid @ a2.T) @ b2.T
+    y.backward(t["dy"])
+    assert torch.allclose(got["y"], y.detach(), atol=1e-10)
+    for key, ref in (("dx", x.grad), ("da1", a1.grad), ("db1", b1.grad), ("da2", a2.grad), ("db2", b2.grad)):
+        assert torch.allclose(got[key], ref, atol=1e-10), key
+    assert torch.equal(got["b2_replicas"][0], got["b2_replicas"][1])
