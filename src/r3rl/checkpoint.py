@@ -158,6 +158,10 @@ def lora_mismatch(path, saved: dict | None, now: dict | None) -> str | None:
     def says(lora):
         return "no LoRA" if lora is None else "trainer.lora " + ", ".join(f"{k}={v}" for k, v in lora.items())
 
+    if saved is not None and now is not None and {**saved, "base": None} == {**now, "base": None}:
+        return (f"{path} holds LoRA adapters trained on another base model (fingerprint {saved.get('base')}, this "
+                f"run's model.checkpoint is {now.get('base')}): they cannot be merged into this one; start from "
+                "the base the run used (its warm start or model.checkpoint)")
     return (f"{path} was saved with {says(saved)}, and this run has {says(now)}: the checkpoint's adapters (or "
             "their absence) do not fit this model; resume with the same trainer.lora, or start a new run "
             "(another run.output_dir) from its exported weights (python -m r3rl.export merges the adapters)")

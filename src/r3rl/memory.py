@@ -226,7 +226,7 @@ def checkpoint_load_host_bytes(cfg: R3RLConfig, params_dtype: str, load_format: 
 def _gathers(cfg: R3RLConfig, optimizer_format: str) -> float:
     """The fully reshardable gather's world tensors of one rank (0 for the other formats)."""
     if cfg.trainer.use_distributed_optimizer and optimizer_format == "fully_reshardable":
-        return _local_params(cfg) * OPTIMIZER_CHECKPOINT_BYTES
+        return sum(_trained_split(cfg)) * OPTIMIZER_CHECKPOINT_BYTES
     return 0.0
 
 
@@ -235,7 +235,7 @@ def _staged(cfg: R3RLConfig, params_dtype: str, gathered: float) -> float:
     tr = cfg.trainer
     if cfg.parallelism.device != "cuda":
         return 0.0
-    local = _local_params(cfg)
+    local = sum(_trained_split(cfg))  # what a checkpoint holds: all weights, or under LoRA the adapters alone
     staged = local * DTYPE_BYTES[params_dtype]
     if not tr.use_distributed_optimizer:
         staged += local * OPTIMIZER_CHECKPOINT_BYTES
@@ -245,11 +245,11 @@ def _staged(cfg: R3RLConfig, params_dtype: str, gathered: float) -> float:
 
 
 def checkpoint_bytes(cfg: R3RLConfig, params_dtype: str) -> int:
-    """Disk of one checkpoint: each parameter once in ``params_dtype`` and the optimizer state (12 B) of each one
-    trained (under LoRA the adapters, stored beside the frozen base)."""
-    total, adapters = param_counts(cfg.model).total, sum(adapter_counts(cfg.model, cfg.trainer.lora))
-    trained = adapters if cfg.trainer.lora.rank > 0 else total
-    return int((total + adapters) * DTYPE_BYTES[params_dtype] + trained * OPTIMIZER_CHECKPOINT_BYTES)
+    """Disk of one checkpoint: each trained parameter once in ``params_dtype`` with its optimizer state (12 B); under
+    LoRA the adapters alone (the frozen base is the HF checkpoint the run starts from)."""
+    adapters = sum(adapter_counts(cfg.model, cfg.trainer.lora))
+    trained = adapters if cfg.trainer.lora.rank > 0 else param_counts(cfg.model).total
+    return int(trained * (DTYPE_BYTES[params_dtype] + OPTIMIZER_CHECKPOINT_BYTES))
 
 
 def _local_split(cfg: R3RLConfig) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from r3rl import checkpoint as run_checkpoint
+from r3rl.train import lora
 from r3rl.train import checkpoint, distributed
 
 
@@ -21,7 +22,10 @@ class Checkpointing:
         """Model (and optimizer) as Megatron sharded tensors: each names this rank's shard of a global tensor, which
         is what lets a checkpoint load under another layout."""
         metadata = checkpoint.sharding_metadata(optimizer_format)
-        state = {"model": self.bare.sharded_state_dict(metadata=metadata)}
+        model = self.bare.sharded_state_dict(metadata=metadata)
+        if self.cfg.trainer.lora.rank > 0:  # adapters only: the frozen base is the HF checkpoint the run starts from
+            model = {k: v for k, v in model.items() if lora.is_adapter(k)}
+        state = {"model": model}
         if optimizer:
             state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading, metadata)
         return state
@@ -73,9 +77,18 @@ class Checkpointing:
                                      "lora": self._lora_shape()})
 
     def _lora_shape(self) -> dict | None:
-        lora = self.cfg.trainer.lora
-        return None if lora.rank <= 0 else {"rank": lora.rank, "targets": sorted(lora.targets),
-                                            "expert_adapters": lora.expert_adapters}
+        """What a LoRA checkpoint must match to load: the adapters' shape and the base they were trained on (a
+        fingerprint of its files: the checkpoint holds the adapters alone)."""
+        adapters = self.cfg.trainer.lora
+        if adapters.rank <= 0:
+            return None
+        return {"rank": adapters.rank, "targets": sorted(adapters.targets),
+                "expert_adapters": adapters.expert_adapters, "base": self._base_fingerprint()}
+
+    def _base_fingerprint(self) -> str:
+        if getattr(self, "_base_digest", None) is None:  # read once: a save must not reread the base's files
+            self._base_digest = lora.base_fingerprint(self.source)
+        return self._base_digest
 
     def _save_queue(self):
         if self._saves is None:
@@ -120,7 +133,14 @@ class Checkpointing:
                                     optimizer_format=info["optimizer_format"])
         state["r3rl"] = {}
         loaded = checkpoint.load(path, state)
-        self.bare.load_state_dict(loaded["model"], strict=True)
+        if self.cfg.trainer.lora.rank > 0:
+            missing, unexpected = self.bare.load_state_dict(loaded["model"], strict=False)
+            adapters = [k for k in missing if lora.is_adapter(k)]
+            if adapters or unexpected:
+                raise ValueError(f"{path}: the adapters do not fit this model (missing {adapters[:5]}, unexpected "
+                                 f"{list(unexpected)[:5]})")
+        else:
+            self.bare.load_state_dict(loaded["model"], strict=True)
         if with_optimizer:
             self.optimizer.load_sharded_state_dict(loaded["optimizer"], int(loaded["r3rl"]["adam_step"]))
         elif optimizer:

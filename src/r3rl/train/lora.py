@@ -175,6 +175,22 @@ def effective(param: torch.Tensor) -> torch.Tensor:
     return (data.float() + adapter.delta()).to(data.dtype)
 
 
+def base_fingerprint(folder, head_bytes: int = 1 << 20) -> str:
+    """A digest of the HF checkpoint a LoRA run adapts: each weight file's name, size and first ``head_bytes``
+    (its header and first tensors), and ``config.json``. A LoRA checkpoint holds the adapters alone, so a resume or
+    an export on another base (a new warm start, another model) must be refused, not merged into it."""
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.sha256()
+    folder = Path(folder)
+    for path in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+        digest.update(f"{path.name}:{path.stat().st_size}:".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(head_bytes))
+    return digest.hexdigest()[:16]
+
+
 def is_adapter(name: str) -> bool:
     """An adapter parameter's name (under a linear, or a layer's shared expert adapters)."""
     return f".{ADAPTER}." in name or f".{ADAPTER}_experts_" in name

@@ -93,11 +93,14 @@ def test_the_adapter_count_the_memory_plan_uses_is_the_trainers(new_trainer):
         assert built == sum(adapter_counts(trainer.cfg.model, trainer.cfg.trainer.lora)), extra
 
 
-def test_a_lora_checkpoint_resumes_exactly_and_refuses_other_adapters(new_trainer, tmp_path):
+def test_a_lora_checkpoint_holds_the_adapters_alone_resumes_exactly_and_refuses_other_adapters(new_trainer, tmp_path,
+                                                                                                tiny_model_dir):
     """Save after a step, load into a new trainer, step again: the same metrics and the same adapters bit for bit
-    (their optimizer state came back). The same checkpoint under another rank, or without LoRA, is refused naming
-    trainer.lora before any tensor is read. Fails if the adapters or their Adam moments were not saved, or a
-    mismatched resume got as far as a shape error deep in dist_checkpointing."""
+    (their optimizer state came back). The checkpoint holds the adapters and their state alone, a fraction of the
+    base model's bytes. The same checkpoint under another rank, without LoRA, or on another base model (the frozen
+    weights are not in it) is refused naming what differs before any tensor is read. Fails if the adapters or their
+    Adam moments were not saved, the base was saved too, or a mismatched resume got as far as a shape error deep in
+    dist_checkpointing or silently merged the adapters into another base."""
     first = new_trainer(*LORA, "algorithm.global_batch_size=4")
     samples, adv = fixed_batch(seed=6)
     first.train_step(samples, adv, replay=True)
@@ -108,11 +111,18 @@ def test_a_lora_checkpoint_resumes_exactly_and_refuses_other_adapters(new_traine
     second.load_checkpoint(saved)
     assert second.train_step(samples, adv, replay=True) == expected
     assert all(torch.equal(v, expected_params[n]) for n, v in params(second).items())
+    stored = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+    base = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    assert stored < base / 2, (stored, base)
     for other in (("trainer.lora.rank=2",), ()):
         trainer = new_trainer(*[o for o in LORA if not o.startswith("trainer.lora.rank")], *other,
                               "algorithm.global_batch_size=4")
         with pytest.raises(ValueError, match=r"saved with trainer.lora rank=4.*this run has"):
             trainer.load_checkpoint(saved)
+    other_base = new_trainer(*LORA, "algorithm.global_batch_size=4", "model.init_seed=1",
+                             f"model.checkpoint={tmp_path / 'other_base'}")
+    with pytest.raises(ValueError, match=r"trained on another base model"):
+        other_base.load_checkpoint(saved)
 
 
 def test_r2_and_r3_replay_exactly_through_adapted_layers(new_trainer):
