@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 
 from r3rl import checkpoint as run_checkpoint
-from r3rl.train import lora
-from r3rl.train import checkpoint, distributed
+from r3rl.train import checkpoint, distributed, lora
 
 
 class Checkpointing:

@@ -52,14 +52,15 @@ def finish(procs: list[subprocess.Popen], tmp: Path, timeout: float, log_tail: i
     assert all(p.returncode == 0 for p in procs), logs
 
 
-def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir, torchrun_rendezvous):
+def ep2_against_one_process(tmp_path: Path, rendezvous: dict[str, str], common: list[str]) -> tuple[dict, dict]:
+    """One batch through ``megatron_ep_worker.run`` on expert parallel 2 (two processes) and in this process, with
+    the same ``common`` overrides: (EP 2's rank-0 result, the single process's)."""
     samples = build_samples(8, 31)
     with_routes(samples, random_routes(samples, 4, 2, 8, seed=31))
     adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
     src, dst = tmp_path / "in.pkl", tmp_path / "out.pkl"
     src.write_bytes(pickle.dumps((samples, adv)))
-    common = ["trainer.micro_batch_size=2"]
-    procs = launch(2, [str(src), str(dst), *common, *EP2], tmp_path, torchrun_rendezvous(2))
+    procs = launch(2, [str(src), str(dst), *common, *EP2], tmp_path, rendezvous)
     try:
         # the single-process reference runs here while the two ranks run in parallel
         single = run(samples, adv, common)
@@ -69,7 +70,11 @@ def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir, torchru
         stop(procs)
     logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2))
     assert all(p.returncode == 0 for p in procs), logs
-    ep = pickle.loads(dst.read_bytes())
+    return pickle.loads(dst.read_bytes()), single
+
+
+def test_expert_parallel_2_matches_one_process(tmp_path, tiny_model_dir, torchrun_rendezvous):
+    ep, single = ep2_against_one_process(tmp_path, torchrun_rendezvous(2), ["trainer.micro_batch_size=2"])
     assert ep["world_size"] == 2 and ep["dp_size"] == 2 and ep["local_experts"] == 4
     assert single["world_size"] == 1 and single["local_experts"] == 8
     assert ep["match"] is True and single["match"] is True

@@ -152,29 +152,10 @@ def test_expert_parallel_2_trains_the_adapters_as_one_process_does(adapters, tmp
     here: each rank holds its experts' whole gradient); a shared pair is a dense parameter, its gradient summed
     over both ranks (each saw the tokens its experts got). Fails if either were reduced over the wrong group (a
     gradient counted twice or half of it lost changes the norm), or if an expert's A depended on the split."""
-    import pickle
+    from test_megatron_expert_parallel import ep2_against_one_process
 
-    from megatron_ep_worker import run
-    from megatron_helpers import build_samples, random_routes, with_routes
-    from r3rl.train.grpo import group_advantages
-    from test_megatron_expert_parallel import EP2, launch, stop
-
-    samples = build_samples(8, 31)
-    with_routes(samples, random_routes(samples, 4, 2, 8, seed=31))
-    adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
-    src, dst = tmp_path / "in.pkl", tmp_path / "out.pkl"
-    src.write_bytes(pickle.dumps((samples, adv)))
     common = [*LORA, "trainer.lora.targets=[attention,experts]", f"trainer.lora.expert_adapters={adapters}"]
-    procs = launch(2, [str(src), str(dst), *common, *EP2], tmp_path, torchrun_rendezvous(2))
-    try:
-        single = run(samples, adv, common)
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        stop(procs)
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2))
-    assert all(p.returncode == 0 for p in procs), logs
-    ep = pickle.loads(dst.read_bytes())
+    ep, single = ep2_against_one_process(tmp_path, torchrun_rendezvous(2), common)
     assert ep["local_experts"] == 4 and single["local_experts"] == 8
     assert abs(ep["metrics"]["grad_norm"] - single["metrics"]["grad_norm"]) <= 1e-5 * single["metrics"]["grad_norm"]
     assert abs(ep["metrics"]["loss"] - single["metrics"]["loss"]) <= 1e-6 * max(1.0, abs(single["metrics"]["loss"]))
