@@ -148,6 +148,13 @@ def update_meta(folder: Path, meta: CheckpointMeta) -> None:
     _fsync(Path(folder))
 
 
+def lora_shape(lora) -> dict | None:
+    """The adapters a checkpoint of this ``trainer.lora`` holds; None for full-parameter training."""
+    if lora.rank <= 0:
+        return None
+    return {"rank": lora.rank, "targets": sorted(lora.targets), "expert_adapters": lora.expert_adapters}
+
+
 def lora_mismatch(path, saved: dict | None, now: dict | None) -> str | None:
     """Why a checkpoint cannot be resumed under another ``trainer.lora`` (its model holds other adapter tensors, or
     none); None when the adapters are the same. ``saved`` / ``now``: rank, targets and expert adapters, None for

@@ -204,9 +204,9 @@ def resumed_checkpoint_format(cfg: R3RLConfig) -> str | None:
 def resume_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     """A checkpoint this launch would resume that the config cannot continue: groups a stream drew and did not train
     (``algorithm.group_intake=completion``) are generated again by a stream alone; a trainer state saved by a
-    model of other shapes, or with the routers frozen (or training) when ``trainer.freeze_router`` is toggled, fails
-    inside Megatron's load after every process started. A fresh run (``run.resume=false``) into a folder with
-    checkpoints is refused (``fresh_run_problems``)."""
+    model of other shapes, with the routers frozen (or training) when ``trainer.freeze_router`` is toggled, or with
+    other LoRA adapters (or none), fails inside Megatron's load after every process started. A fresh run
+    (``run.resume=false``) into a folder with checkpoints is refused (``fresh_run_problems``)."""
     from pathlib import Path
 
     from r3rl import checkpoint
@@ -236,6 +236,12 @@ def resume_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     frozen = saved.get("freeze_router")  # None: saved before r3rl recorded it
     if saved.get("optimizer_state") and frozen is not None and frozen != cfg.trainer.freeze_router:
         found.append(("trainer.freeze_router", checkpoint.freeze_router_mismatch(folder, frozen)))
+    # the adapters' shape only: the base they were trained on is checked at load, once the warm start is known
+    adapters = saved.get("lora")
+    wrong_adapters = checkpoint.lora_mismatch(folder, adapters and {k: v for k, v in adapters.items() if k != "base"},
+                                              checkpoint.lora_shape(cfg.trainer.lora))
+    if wrong_adapters:
+        found.append(("trainer.lora", wrong_adapters))
     return found
 
 

@@ -78,11 +78,8 @@ class Checkpointing:
     def _lora_shape(self) -> dict | None:
         """What a LoRA checkpoint must match to load: the adapters' shape and the base they were trained on (a
         fingerprint of its files: the checkpoint holds the adapters alone)."""
-        adapters = self.cfg.trainer.lora
-        if adapters.rank <= 0:
-            return None
-        return {"rank": adapters.rank, "targets": sorted(adapters.targets),
-                "expert_adapters": adapters.expert_adapters, "base": self._base_fingerprint()}
+        shape = run_checkpoint.lora_shape(self.cfg.trainer.lora)
+        return None if shape is None else {**shape, "base": self._base_fingerprint()}
 
     def _base_fingerprint(self) -> str:
         if getattr(self, "_base_digest", None) is None:  # read once: a save must not reread the base's files

@@ -345,6 +345,35 @@ def test_soft_replay_is_r3_with_a_ratio_in_range():
         compose(["replay=soft", "rollout=vllm"])
 
 
+def test_a_lora_run_into_a_folder_of_another_runs_checkpoints_is_refused_before_launch(tmp_path):
+    """LoRA runs take the full-parameter run's name by default: ``make run`` then ``make run ARGS="trainer.lora.
+    rank=8"`` resumes into the first run's folder. Its checkpoint holds no adapters (or others), which the trainer
+    would refuse only after every process started. Fails if the preflight let a LoRA resume of a full-parameter
+    checkpoint start (or the reverse, or another rank), or refused the same adapters."""
+    from r3rl import checkpoint
+    from r3rl.config import compose as compose_config
+    from r3rl.preflight import resume_problems
+
+    base = ["model=tiny_moe", "parallelism=cpu", f"run.output_dir={tmp_path}"]
+
+    def saved(step, **info):
+        def write(folder):
+            (folder / checkpoint.TRAINER_DIR).mkdir()
+            (folder / checkpoint.TRAINER_DIR / checkpoint.COMPLETE).write_text(json.dumps(
+                {"format": checkpoint.TRAINER_FORMAT, "optimizer_state": True, **info}))
+        checkpoint.save(tmp_path, checkpoint.CheckpointMeta(step=step, data_state={"epoch": 0, "position": 9}), write)
+
+    saved(3)  # a full-parameter run's
+    (key, reason), = resume_problems(compose_config([*base, "trainer.lora.rank=8"]))
+    assert key == "trainer.lora" and "saved with no LoRA" in reason and "run.output_dir" in reason
+    assert resume_problems(compose_config(base)) == []
+    lora = {"rank": 8, "targets": ["attention", "experts"], "expert_adapters": "per_expert", "base": "ab12"}
+    saved(4, lora=lora)
+    assert resume_problems(compose_config([*base, "trainer.lora.rank=8"])) == []
+    assert [k for k, _ in resume_problems(compose_config([*base, "trainer.lora.rank=4"]))] == ["trainer.lora"]
+    assert [k for k, _ in resume_problems(compose_config(base))] == ["trainer.lora"]
+
+
 def test_a_checkpoint_saved_with_the_router_frozen_resumes_only_frozen(tmp_path):
     """``trainer.freeze_router`` leaves the routers out of the optimizer, so a checkpoint's optimizer state has other
     shapes with it on or off (Megatron failed inside its load with a shape error). Fails if the preflight let a
