@@ -34,10 +34,6 @@ ADAPTER_SYNC_NOT_BUILT = (
     "use sync=merged, which streams base + (alpha / rank) B A through the run's weight sync to any engine")
 
 
-def lora_on(cfg: R3RLConfig) -> bool:
-    return cfg.trainer.lora.rank > 0
-
-
 def lora_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     """Every problem of ``trainer.lora`` as (key, reason)."""
     lora, problems = cfg.trainer.lora, []
@@ -73,9 +69,10 @@ def lora_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     # (column-parallel) or A (row-parallel) as if replicated: until that is built, no tensor-parallel split
     par = cfg.parallelism.trainer
     for key, size in (("tensor_parallel", par.tensor_parallel), ("expert_tensor_parallel", par.expert_tensor_parallel)):
-        problems.extend([(f"parallelism.trainer.{key}", f"must be 1 with trainer.lora (got {size}): LoRA adapters "
-                          "under a tensor-parallel split are not checkpointed yet; split the experts with "
-                          "expert_parallel and the batch with data parallel instead")] if size > 1 else [])
+        if size > 1:
+            problems.append((f"parallelism.trainer.{key}", f"must be 1 with trainer.lora (got {size}): LoRA adapters "
+                             "under a tensor-parallel split are not checkpointed yet; split the experts with "
+                             "expert_parallel and the batch with data parallel instead"))
     if lora.sync == "adapter":
         check(cfg.parallelism.device != "cpu", "sync", ADAPTER_SYNC_ON_CPU)
         check(cfg.parallelism.device == "cpu", "sync", ADAPTER_SYNC_NOT_BUILT)
