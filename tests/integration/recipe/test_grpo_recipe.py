@@ -149,14 +149,19 @@ def test_a_second_run_of_a_finished_run_starts_nothing(r3_run):
 
 
 def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, tiny_model_dir):
-    """SIGTERM during step 2 (after step 1's checkpoint): step 2 trains and is saved, its eval point is abandoned;
-    the resumed job redoes that eval on step 2's weights and logs every step and eval point once."""
+    """SIGTERM during step 2, once its rollout is generated: step 2 trains and is saved, its eval point is abandoned;
+    the resumed job redoes that eval on step 2's weights and logs every step and eval point once. Fails if the
+    eval did not watch for SIGTERM (step 2 would be logged whole and the checkpoint would hold no metrics), or if
+    the resume skipped the interrupted eval (step 2 would lack its eval keys)."""
     run_dir = tmp_path / "preempted"
-    proc = start_recipe(run_dir, "run.num_steps=3", "run.save_every=1", "run.eval_every=1")
+    # step 2's rollout file is written after step 1 was saved and its stop check passed, and before step 2 trains:
+    # a signal sent once it exists lands inside step 2 (waiting for step 1's checkpoint alone let it land in the
+    # instant between that save and the stop check, ending the run at step 1 with nothing interrupted)
+    rollouts = tmp_path / "rollouts"
+    proc = start_recipe(run_dir, "run.num_steps=3", "run.save_every=1", "run.eval_every=1",
+                        f"debug.save_rollout={rollouts}")
     try:
-        # at once: a CPU step takes ~1 s, so a 1 s poll let SIGTERM land after step 2's eval (or the run's end)
-        wait_for(lambda: (checkpoint.checkpoint_root(run_dir) / "latest").is_file(), 900, "step 1 checkpoint", proc,
-                 poll=0.05)
+        wait_for(lambda: (rollouts / "step_000002.npz").exists(), 900, "step 2's rollout", proc, poll=0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 143
     finally:
@@ -164,7 +169,7 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_wandb_run(tmp_path, t
             os.killpg(proc.pid, signal.SIGKILL)
     meta = checkpoint.read_meta(checkpoint.latest(run_dir))
     stopped_at = meta.step
-    assert 1 <= stopped_at < 3
+    assert stopped_at == 2
     assert meta.unlogged_metrics and M.LOGPROB_ABS_DIFF in meta.unlogged_metrics, "the stopped step's eval point " \
         "was abandoned and its metrics wait in the checkpoint"
     assert_nothing_left(run_dir)
