@@ -1,4 +1,5 @@
-"""``python -m r3rl.export outputs/<run> [--step N] --out DIR``: a run's checkpoint as an HF checkpoint folder.
+"""``python -m r3rl.export outputs/<run> [--step N] --out DIR [--adapter DIR]``: a run's checkpoint as an HF checkpoint
+folder, and a LoRA run's adapters as a PEFT adapter folder.
 
 The folder (safetensors, ``model.safetensors.index.json``, config, tokenizer, chat template) loads in
 ``transformers`` and vLLM, and ``model.checkpoint=DIR`` takes it for a new run. It is written the way the run
@@ -6,8 +7,9 @@ itself writes weights: the run's resolved config (``<run>/.hydra/config.yaml``) 
 run's parallelism (Ray; logical GPUs on a CPU), every rank loads its own shard of the weights of checkpoint
 ``step_N`` (default: the latest; Megatron's distributed format, so the optimizer state is never read), and every rank
 writes its own tensors bucket by bucket (``MegatronTrainer.export_hf``); rank 0 writes the index, config and
-tokenizer files. No process ever holds the whole model. Everything started here is stopped by
-handle before the command returns.
+tokenizer files. No process ever holds the whole model. ``--adapter DIR`` (LoRA runs) writes the adapters alone
+as ``peft`` writes them (``r3rl.train.peft_adapter``), for the base the run adapted; ``--out`` may then be left out.
+Everything started here is stopped by handle before the command returns.
 
 Not to be confused with ``r3rl.train.export``, the trainer-side bucketed HF stream this command drives.
 """
@@ -115,8 +117,17 @@ def check_format(source: Source) -> dict:
         raise ExportError(str(err)) from None
 
 
-def export(cfg, source: Source, out: Path, console) -> Path:
-    """Start the run's trainer ranks, load ``source`` into them, write ``out``; stop everything started here."""
+def check_adapter(cfg, adapter: Path | None) -> None:
+    """``--adapter`` needs a run that trained adapters."""
+    if adapter is not None and cfg.trainer.lora.rank <= 0:
+        raise ExportError(f"--adapter: {cfg.run.name} trained no adapters (trainer.lora.rank=0): export the model "
+                          "with --out")
+
+
+def export(cfg, source: Source, out: Path | None, console, adapter: Path | None = None,
+           adapter_info: dict | None = None) -> list[Path]:
+    """Start the run's trainer ranks, load ``source`` into them, write ``out`` (the merged HF model) and/or
+    ``adapter`` (the PEFT adapter folder); stop everything started here. Returns the folders written."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from r3rl.orchestration.groups import TrainerGroup
@@ -129,7 +140,8 @@ def export(cfg, source: Source, out: Path, console) -> Path:
     stages = [("ray", "Ray" + (" (logical GPUs)" if plan.placement.logical_gpus else "")),
               ("ranks", f"{ranks} trainer rank(s), parallelism={cfg.parallelism.name}"),
               ("load", f"checkpoint of step {source.step} into every rank"),
-              ("write", f"HF checkpoint, rank by rank: {out}"),
+              *([("write", f"HF checkpoint, rank by rank: {out}")] if out is not None else []),
+              *([("adapter", f"PEFT adapter folder: {adapter}")] if adapter is not None else []),
               ("stop", "stopping the trainer ranks and Ray")]
     with Progress(SpinnerColumn(finished_text="[green]done"), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
@@ -152,9 +164,15 @@ def export(cfg, source: Source, out: Path, console) -> Path:
             stage("load")
             trainers.call("load_checkpoint", source.folder / checkpoint.TRAINER_DIR, optimizer=False)
             done("load")
-            stage("write")
-            written = Path(trainers.call("export_hf", out))
-            done("write")
+            written = []
+            if out is not None:
+                stage("write")
+                written.append(Path(trainers.call("export_hf", out)))
+                done("write")
+            if adapter is not None:
+                stage("adapter")
+                written.append(Path(trainers.call("export_adapter", adapter, adapter_info or {})))
+                done("adapter")
         finally:
             stage("stop")
             if trainers is not None:
@@ -170,7 +188,8 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="the run folder (run.output_dir, e.g. outputs/tiny_moe-cpu-vllm_r3)")
     ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
-    ap.add_argument("--out", required=True, help="the HF folder to write (new or empty)")
+    ap.add_argument("--out", default=None, help="the HF folder to write (new or empty): the model, LoRA merged in")
+    ap.add_argument("--adapter", default=None, help="LoRA runs: the PEFT adapter folder to write (new or empty)")
     return ap
 
 
@@ -180,10 +199,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     console = Console(stderr=False)
     try:
+        if args.out is None and args.adapter is None:
+            raise ExportError("nothing to write: give --out (the HF model) and/or --adapter (a LoRA run's adapters)")
         source = find_checkpoint(args.run, args.step)
-        out = check_out(args.out)
+        out = check_out(args.out) if args.out is not None else None
+        adapter = check_out(args.adapter) if args.adapter is not None else None
+        if out is not None and out == adapter:
+            raise ExportError(f"--out and --adapter are the same folder ({out}): give each its own")
         cfg = load_run_config(source.run_dir)
-        check_format(source)
+        check_adapter(cfg, adapter)
+        complete = check_format(source)
         from r3rl.launch import check_machine
         from r3rl.platform import visible_gpu_count
 
@@ -199,13 +224,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from r3rl.orchestration.ray_cluster import ClusterError
 
     try:
-        written = export(cfg, source, out, console)
+        info = {"run": str(source.run_dir), "step": source.step, "lora": complete.get("lora")}
+        export(cfg, source, out, console, adapter, info)
     except (ClusterError, PlacementTimeout) as err:  # the machine cannot hold the run's trainer ranks
         print(f"error: {err}", file=sys.stderr)
         return 1
-    console.print(f"[bold]HF checkpoint of step {source.step} written in {time.perf_counter() - started:.1f} s: "
-                  f"{written}[/]\nload it with transformers (AutoModelForCausalLM.from_pretrained) or vLLM, or start "
-                  f"a run from it: python run.py model.checkpoint={written}", soft_wrap=True)
+    took = f"{time.perf_counter() - started:.1f} s"
+    if out is not None:
+        console.print(f"[bold]HF checkpoint of step {source.step} written in {took}: {out}[/]\nload it with "
+                      "transformers (AutoModelForCausalLM.from_pretrained) or vLLM, or start a run from it: "
+                      f"python run.py model.checkpoint={out}", soft_wrap=True)
+    if adapter is not None:
+        console.print(f"[bold]PEFT adapter of step {source.step} written in {took}: {adapter}[/]\nload it onto the "
+                      "base with PeftModel.from_pretrained(model, DIR) or model.load_adapter(DIR) (peft >= 0.20)",
+                      soft_wrap=True)
     return 0
 
 

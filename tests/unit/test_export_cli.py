@@ -119,3 +119,24 @@ def test_a_checkpoint_in_the_old_per_rank_format_is_refused_by_name(tmp_path, ca
     (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     err = refused(capsys, str(run_dir), "--out", str(tmp_path / "hf"))
     assert "old per-rank format" in err and "saved by 2 ranks" in err and checkpoint.TRAINER_FORMAT in err
+
+
+def test_nothing_to_write_and_an_adapter_of_a_full_parameter_run_are_refused(tmp_path, capsys, no_start):
+    """Fails if an export without ``--out`` or ``--adapter`` started anything, or if ``--adapter`` on a run that
+    trained no adapters got past the checks (the trainer ranks would start, load the checkpoint, and find no
+    adapter to write)."""
+    from omegaconf import OmegaConf
+
+    from r3rl.config import compose
+
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 2)
+    err = refused(capsys, str(run_dir))
+    assert "--out" in err and "--adapter" in err
+    (run_dir / ".hydra").mkdir()
+    cfg = compose(["parallelism=cpu", f"run.output_dir={run_dir}"])
+    (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    err = refused(capsys, str(run_dir), "--adapter", str(tmp_path / "peft"))
+    assert "trainer.lora.rank=0" in err
+    err = refused(capsys, str(run_dir), "--out", str(tmp_path / "x"), "--adapter", str(tmp_path / "x"))
+    assert "same folder" in err

@@ -14,7 +14,7 @@ import torch
 from r3rl import metrics as M
 from r3rl.config.modes import resolve_dtype, soft_replay_ratio
 from r3rl.config.schema import R3RLConfig
-from r3rl.train import checkpoint, convert, distributed, export, lora, offload, optim
+from r3rl.train import checkpoint, convert, distributed, export, lora, offload, optim, peft_adapter
 from r3rl.train import model as model_lib
 from r3rl.train.batch import RouteShape
 from r3rl.train.checkpointing import Checkpointing
@@ -127,6 +127,25 @@ class MegatronTrainer(PolicySteps, Checkpointing):
         """Write the current weights as an HF checkpoint (safetensors + config + tokenizer): every rank writes its
         own tensors bucket by bucket, rank 0 the index. Collective."""
         return export.write_hf(self.weight_stream(), out_dir, self.source)
+
+    def export_adapter(self, out_dir: str | Path, info: dict) -> Path:
+        """Write the LoRA adapters as a PEFT adapter folder for the base this run adapts (``self.source``); rank 0
+        gathers every rank's pairs and writes it. Collective."""
+        pairs = peft_adapter.local_pairs(self.bare)
+        parts = [pairs]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            parts = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+            torch.distributed.gather_object(pairs, parts, dst=0)
+        out = Path(out_dir)
+        if parts is not None:
+            lora_cfg = self.cfg.trainer.lora
+            tensors = peft_adapter.peft_tensors([p for part in parts for p in part], self.attention,
+                                                self.cfg.model.num_experts)
+            config = peft_adapter.peft_config(tensors, lora_cfg.rank, lora_cfg.alpha, str(self.source))
+            peft_adapter.write_folder(tensors, config, out, info)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return out
 
     def offload_optimizer_state(self) -> int:
         """Optimizer state to host memory (colocated engines generate meanwhile); bytes moved."""

@@ -15,8 +15,13 @@ import warnings
 warnings.filterwarnings("ignore")
 
 
-def run(samples, advantages, overrides: list[str]) -> dict:
+def run(samples, advantages, overrides: list[str], adapter_dir: str | None = None) -> dict:
+    """One batch: routes recorded, log-probs replayed and live, a step, log-probs after; with LoRA on, the adapters
+    after the step exported as a PEFT folder to ``adapter_dir`` and returned (``adapter``)."""
+    from safetensors.torch import load_file
+
     from r3rl.config import compose
+    from r3rl.train import peft_adapter
     from r3rl.train.trainer import MegatronTrainer
 
     trainer = MegatronTrainer(compose(["model=tiny_moe", "parallelism=cpu", "algorithm.global_batch_size=8", *overrides]))
@@ -26,11 +31,15 @@ def run(samples, advantages, overrides: list[str]) -> dict:
         live = trainer.logprobs(samples, replay=False)
         metrics = trainer.train_step(samples, advantages, replay=True, old_logprobs=replayed.logprobs)
         after = trainer.logprobs(samples, replay=True)
+        adapter = None
+        if adapter_dir is not None and trainer.cfg.trainer.lora.rank > 0:
+            folder = trainer.export_adapter(adapter_dir, {})
+            adapter = load_file(folder / peft_adapter.WEIGHTS) if trainer.info.rank == 0 else None
         return {
             "recorded": recorded, "replayed": replayed.logprobs, "live": live.logprobs, "flips": live.flip_per_layer,
             "match": replayed.replayed_routes_match, "metrics": metrics, "after": after.logprobs,
             "world_size": trainer.info.world_size, "dp_size": trainer.info.dp_size,
-            "local_experts": len(trainer.bare.decoder.layers[0].mlp.experts.local_experts),
+            "local_experts": len(trainer.bare.decoder.layers[0].mlp.experts.local_experts), "adapter": adapter,
         }
     finally:
         trainer.shutdown()
@@ -110,7 +119,7 @@ def main() -> None:
     src, dst, *overrides = sys.argv[1:]
     with open(src, "rb") as f:
         samples, advantages = pickle.load(f)
-    result = run(samples, advantages, overrides)
+    result = run(samples, advantages, overrides, adapter_dir=os.path.join(os.path.dirname(dst), "adapter_ep"))
     if int(os.environ.get("RANK", "0")) == 0:
         with open(dst, "wb") as f:
             pickle.dump(result, f)

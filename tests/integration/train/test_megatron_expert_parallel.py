@@ -54,7 +54,8 @@ def finish(procs: list[subprocess.Popen], tmp: Path, timeout: float, log_tail: i
 
 def ep2_against_one_process(tmp_path: Path, rendezvous: dict[str, str], common: list[str]) -> tuple[dict, dict]:
     """One batch through ``megatron_ep_worker.run`` on expert parallel 2 (two processes) and in this process, with
-    the same ``common`` overrides: (EP 2's rank-0 result, the single process's)."""
+    the same ``common`` overrides: (EP 2's rank-0 result, the single process's); with LoRA, each exports its
+    adapters after the step."""
     samples = build_samples(8, 31)
     with_routes(samples, random_routes(samples, 4, 2, 8, seed=31))
     adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
@@ -63,7 +64,7 @@ def ep2_against_one_process(tmp_path: Path, rendezvous: dict[str, str], common: 
     procs = launch(2, [str(src), str(dst), *common, *EP2], tmp_path, rendezvous)
     try:
         # the single-process reference runs here while the two ranks run in parallel
-        single = run(samples, adv, common)
+        single = run(samples, adv, common, adapter_dir=str(tmp_path / "adapter_single"))
         for p in procs:
             p.wait(timeout=300)
     finally:

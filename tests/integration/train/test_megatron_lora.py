@@ -151,7 +151,9 @@ def test_expert_parallel_2_trains_the_adapters_as_one_process_does(adapters, tmp
     log-probs after a step. Per-expert adapters are expert parameters (reduced over expert-data parallel, size 1
     here: each rank holds its experts' whole gradient); a shared pair is a dense parameter, its gradient summed
     over both ranks (each saw the tokens its experts got). Fails if either were reduced over the wrong group (a
-    gradient counted twice or half of it lost changes the norm), or if an expert's A depended on the split."""
+    gradient counted twice or half of it lost changes the norm), or if an expert's A depended on the split. The
+    PEFT adapter folder both export after the step holds the same tensors: fails if the export lost the other rank's
+    experts (the packing refuses a layer with experts missing) or offset their ids wrongly."""
     from test_megatron_expert_parallel import ep2_against_one_process
 
     common = [*LORA, "trainer.lora.targets=[attention,experts]", f"trainer.lora.expert_adapters={adapters}"]
@@ -161,6 +163,9 @@ def test_expert_parallel_2_trains_the_adapters_as_one_process_does(adapters, tmp
     assert abs(ep["metrics"]["loss"] - single["metrics"]["loss"]) <= 1e-6 * max(1.0, abs(single["metrics"]["loss"]))
     assert max(np.abs(a - b).max() for a, b in zip(ep["after"], single["after"])) < 1e-5
     assert max(np.abs(a - b).max() for a, b in zip(single["after"], single["replayed"])) > 1e-4  # the step moved it
+    assert ep["adapter"].keys() == single["adapter"].keys()
+    for key, t in single["adapter"].items():
+        torch.testing.assert_close(ep["adapter"][key], t, atol=1e-5, rtol=1e-4, msg=key)
 
 
 def test_tensor_parallel_2_adapters_count_the_update_once(tmp_path, torchrun_rendezvous):
