@@ -28,11 +28,13 @@ from r3rl.eval.sets import eval_due, load_sets
 from r3rl.models.tiny_moe import ensure_checkpoint
 from r3rl.orchestration.groups import EngineGroup, TrainerGroup
 from r3rl.orchestration.ray_cluster import start_or_attach
+from r3rl.config.lora import adapter_slots
 from r3rl.plan import WandbNaming, build_plan, weight_sync_backend
 from r3rl.rollout import auth
 from r3rl.rollout.engine import EngineError, route_store_failure
 from r3rl.sync.protocol import EngineSet
 from r3rl.rollout.wire import foreign_weight_labels
+from r3rl.sync import adapter as adapter_sync
 from r3rl.sync.disk import update_weights_from_hf, weight_version
 from r3rl.tracking.finished import finished_step, report_finished
 from r3rl.tracking.offline_reader import read_runs
@@ -66,6 +68,7 @@ class Recipe:
         # reserved, at most over ranks; "wake" with the tags); GRPO logs the bytes of its step
         self.handoffs: list[tuple[str, Any]] = []
         self.engine_version: int | None = None  # the weight version the engines serve (None: the HF checkpoint's)
+        self.adapter: str | None = None  # trainer.lora.sync=adapter: the adapter requests name (None: the base)
         self.stop = False
         self.unlogged: dict[str, float] | None = None  # a step's metrics whose eval point SIGTERM interrupted
         self.pending_save: tuple[Path, checkpoint.CheckpointMeta] | None = None  # written in the background
@@ -231,7 +234,7 @@ class Recipe:
         """Join the trainer's sender and every engine worker in one transfer group (once; ``disk`` needs none)."""
         self.weight_sync = weight_sync_backend(self.cfg)
         self.engine_set = EngineSet(self.engines.urls, self.cfg.rollout.engine.request_timeout_s)
-        if self.weight_sync == "disk":
+        if self.weight_sync in ("disk", "adapter"):
             return
         self.trainers.open_weight_transfer(self.engines.urls, backend=self.weight_sync,
                                            loopback=self.loopback,
@@ -252,6 +255,15 @@ class Recipe:
             exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
             for url in self.engines.urls:
                 update_weights_from_hf(url, exported, version, in_flight=in_flight)
+        elif self.weight_sync == "adapter":  # the adapters alone, loaded under a name per version (r3rl.sync.adapter)
+            info = {"run": str(self.run_dir), "step": version}
+            self.trainers.call("export_adapter", adapter_sync.adapter_folder(self.run_dir, version), info,
+                               per_expert=True)
+            if not asleep:  # requests in flight finish on their own adapter; sleeping engines were paused by /sleep
+                self.engine_set.pause(keep=False)
+            self.adapter = adapter_sync.sync_adapters(self.engines.urls, self.run_dir, version,
+                                                      adapter_slots(self.cfg),
+                                                      timeout_s=self.cfg.rollout.engine.request_timeout_s)
         else:
             if not asleep:  # sleeping engines were paused by /sleep
                 self.engine_set.pause(keep=in_flight)
@@ -259,7 +271,7 @@ class Recipe:
         if asleep:  # the send's buckets are freed by now; their cached blocks go back before the KV cache comes
             self.wake_engines(["kv_cache"])
         if self.weight_sync != "disk":
-            if not in_flight:
+            if not in_flight and self.weight_sync != "adapter":  # an adapter's prefix blocks are keyed by its name
                 self.engine_set.reset_prefix_cache()
             self.engine_set.resume()
         self.engine_version = version

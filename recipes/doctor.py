@@ -159,9 +159,16 @@ class Doctor(GRPORecipe):
         for url in urls:  # vLLM's own loader on the trainer's weights: what the engine must hold
             update_weights_from_hf(url, exported, version=1)
         reference = {url: weight_checksums(url) for url in urls}
-        return C.weight_sync(synced_sums, reference, stale_sums, {
-            "before_step": C.mean_abs_diff(before.logprobs, samples),
-            "stale_engine": C.mean_abs_diff(stale_pass.logprobs, samples), "after_sync": synced})
+        figures = {"before_step": C.mean_abs_diff(before.logprobs, samples),
+                   "stale_engine": C.mean_abs_diff(stale_pass.logprobs, samples), "after_sync": synced}
+        if self.adapter is not None:  # the base never moved: the engine's merged reload, served without the
+            # adapter, against the trainer on the same prompts
+            self.client.serve_version(1, None)
+            merged, _ = self.rollout(DOCTOR_STEP, prompts)
+            figures["merged_engine"] = C.mean_abs_diff(
+                self.trainers.call("logprobs", ray.put(merged), replay=routed).logprobs, merged)
+            return C.adapter_sync(figures)
+        return C.weight_sync(synced_sums, reference, stale_sums, figures)
 
     def layout(self) -> str:
         t = self.cfg.parallelism.trainer

@@ -197,11 +197,12 @@ class GRPORecipe(common.Recipe):
         carry the new version as their cache salt, the batches still generating included."""
         self.schedule.before_sync(version, in_flight)
         super().sync_weights(version, in_flight=in_flight)
-        if self.in_flight:  # every client the recipe owns: the evaluator's too, or an eval point after an in-flight
-            # update could be served prefix blocks that older weights computed
+        if self.in_flight or self.adapter is not None:  # every client the recipe owns: the evaluator's too, or an
+            # eval point after an in-flight update could be served prefix blocks that older weights computed (or,
+            # with adapters, the base or an older version's adapter)
             evaluator = [self.evaluator.client] if self.evaluator is not None else []
             for client in [self.client, *self.live_clients, *evaluator]:
-                client.serve_version(version)
+                client.serve_version(version, self.adapter)
         self.schedule.after_sync(version)
 
     def data_state(self) -> dict:
@@ -269,7 +270,7 @@ class GRPORecipe(common.Recipe):
         if self.in_flight:
             client = RolloutClient.from_config(cfg, self.engines.urls)
             self.live_clients.append(client)  # first: a sync from now on reaches it
-            client.serve_version(self.engine_version or 0)
+            client.serve_version(self.engine_version or 0, self.adapter)
         try:
             samples = asyncio.run(client.generate(
                 [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, sampling,

@@ -195,7 +195,7 @@ class CompletionOrder(Schedule):
             timings["weight_sync"] = time.perf_counter() - t
         if not self.stream.started:
             self.client = RolloutClient.from_config(recipe.cfg, recipe.engines.urls, progress=False)
-            self.client.serve_version(recipe.engine_version or 0)
+            self.client.serve_version(recipe.engine_version or 0, recipe.adapter)
             recipe.live_clients.append(self.client)
             self.stream.allow(group_draw_limit(recipe.cfg, recipe.engine_version or 0))
             self.stream.start(self.producer.submit)

@@ -60,10 +60,11 @@ Disk, per checkpoint: every parameter once in ``params_dtype`` plus the float32 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from r3rl.config.families import kv_cache_per_token_layer, param_counts
-from r3rl.config.lora import adapter_counts
+from r3rl.config.lora import adapter_counts, adapter_slots, engine_lora_rank
 from r3rl.config.schema import R3RLConfig
 
 GIB = 1024**3
@@ -347,7 +348,7 @@ SYNC_BUCKETS = 3
 def sync_buffer_bytes(cfg: R3RLConfig) -> int:
     """A trainer GPU's weight-sync working set (GPU layouts with launched engines; the CPU profile's sync runs in
     host memory and an attached engine reloads from disk)."""
-    if cfg.parallelism.device != "cuda" or cfg.rollout.engine.url:
+    if cfg.parallelism.device != "cuda" or cfg.rollout.engine.url or adapter_sync(cfg):
         return 0
     return int(SYNC_BUCKETS * cfg.rollout.weight_sync.bucket_mb * (1 << 20))
 
@@ -359,12 +360,24 @@ def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -
     dense = (counts.dense + counts.embeddings) / r.tensor_parallel
     expert_split = r.tensor_parallel * (r.data_parallel if r.expert_parallel else 1)
     weights = int((dense + counts.experts / expert_split) * DTYPE_BYTES[engine_dtype])
+    parts = [Part("engine weights", weights)]
+    if adapter_sync(cfg):  # vLLM's adapter slots, each as wide as its --max-lora-rank, split as their linears
+        wide = dataclasses.replace(cfg.trainer.lora, rank=engine_lora_rank(cfg.trainer.lora.rank))
+        dense_a, experts_a = adapter_counts(m, wide)
+        slots = adapter_slots(cfg) * (dense_a / r.tensor_parallel + experts_a / expert_split)
+        parts.append(Part("engine LoRA slots", int(slots * DTYPE_BYTES[engine_dtype])))
+    held = sum(p.bytes for p in parts)
     if eng.kv_cache_memory_bytes is not None:
-        return [Part("engine weights", weights), Part("engine KV cache", eng.kv_cache_memory_bytes)]
+        return [*parts, Part("engine KV cache", eng.kv_cache_memory_bytes)]
     if budget_bytes is None:
-        return [Part("engine weights", weights)]
+        return parts
     share = int(engine_memory_share(cfg) * budget_bytes)
-    return [Part("engine weights", weights), Part("engine KV cache + runtime", max(share - weights, 0))]
+    return [*parts, Part("engine KV cache + runtime", max(share - held, 0))]
+
+
+def adapter_sync(cfg: R3RLConfig) -> bool:
+    """The engines serve LoRA adapters loaded each step (``trainer.lora.sync=adapter``) instead of merged weights."""
+    return cfg.trainer.lora.rank > 0 and cfg.trainer.lora.sync == "adapter"
 
 
 def host_memory(cfg: R3RLConfig, trainer_dtype: str, engine_weights: int, load_format: str | None = None

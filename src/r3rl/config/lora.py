@@ -2,7 +2,8 @@
 
 The rules are the R3 contract's: the router is never adapted (the engine's routes are replayed into it, and an
 adapted router would route the trainer's tokens by weights the engine never had), dropout stays 0 (the engine
-serves the adapted weights without it), and the adapter-only sync needs an engine that serves MoE LoRA.
+serves the adapted weights without it), and the adapter-only sync needs an engine that serves MoE LoRA, with a
+slot for every adapter a request may still name.
 """
 
 from __future__ import annotations
@@ -33,9 +34,19 @@ ADAPTER_SYNC_ON_CPU = (
     "with LoRA on, every MoE layer takes vLLM's Triton experts (vllm/model_executor/layers/fused_moe/oracle/"
     "unquantized.py:234-248), whose moe_align_block_size kernel the CPU build lacks, even with adapters on "
     "attention alone: use sync=merged on CPU")
-ADAPTER_SYNC_NOT_BUILT = (
-    "the adapter-only sync (vLLM --enable-lora with fused-MoE LoRA, requests naming the adapter) is not built yet: "
-    "use sync=merged, which streams base + (alpha / rank) B A through the run's weight sync to any engine")
+# vLLM's --max-lora-rank choices (vllm/config/lora.py): the engine's adapter slots are this wide
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def adapter_slots(cfg: R3RLConfig) -> int:
+    """Adapters an engine holds at once under ``sync=adapter`` (--max-loras): this step's, and one more for each
+    step a batch may be generated ahead of the trainer (its requests name the adapter they were sent with)."""
+    return cfg.algorithm.max_staleness + 1
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The narrowest --max-lora-rank vLLM accepts that holds ``rank``."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
 def lora_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
@@ -79,7 +90,17 @@ def lora_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
                              "expert_parallel and the batch with data parallel instead"))
     if lora.sync == "adapter":
         check(cfg.parallelism.device != "cpu", "sync", ADAPTER_SYNC_ON_CPU)
-        check(cfg.parallelism.device == "cpu", "sync", ADAPTER_SYNC_NOT_BUILT)
+        check(lora.rank <= VLLM_LORA_RANKS[-1], "sync", f"vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]} "
+              f"(--max-lora-rank), got rank {lora.rank}: use sync=merged")
+        # a request names its adapter when it is sent, so its tokens cannot move to weights that land under it
+        check(cfg.algorithm.weight_update != "in_flight", "sync", "an adapter is fixed for a request when it is "
+              "sent, so algorithm.weight_update=in_flight (weights that land under running requests) cannot hold: "
+              "use algorithm.weight_update=between_batches or sync=merged")
+        check(cfg.rollout.weight_sync.backend == "auto", "sync", "the adapters go to the engines as a folder each "
+              f"loads (/v1/load_lora_adapter), not through rollout.weight_sync.backend="
+              f"{cfg.rollout.weight_sync.backend}: leave the backend auto")
+        check(cfg.rollout.engine.url is None, "sync", "an attached engine (rollout.engine.url) was not started with "
+              "--enable-lora and the run's adapter slots: let the run start its engines, or use sync=merged")
     return problems
 
 

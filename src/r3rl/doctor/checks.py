@@ -308,6 +308,35 @@ def weight_sync(synced: dict[str, dict[str, str]], reference: dict[str, dict[str
     return Check(name, PASS, figure, values=values, bound=why)
 
 
+ADAPTER_SYNC_FACTOR = 2.0
+
+
+def adapter_sync(logprobs: dict[str, float]) -> Check:
+    """``trainer.lora.sync=adapter``: the engines keep the base weights and serve the step's adapters by name, so no
+    checksum moves and the log-probs decide. After the step and the adapter load, the engine's log-probs on a fresh
+    rollout (``after_sync``) must be as close to the trainer's as those of the same engine serving the merged export
+    through vLLM's own loader (``merged_engine``, what ``sync=merged`` gives): within ``ADAPTER_SYNC_FACTOR`` times
+    it. Control: the engine before the sync (``stale_engine``, on the step's batch) must be off by more than that
+    bound, or the step moved the policy too little for the comparison to tell a loaded adapter from none."""
+    name = "weight sync round trip"
+    bound = ADAPTER_SYNC_FACTOR * logprobs["merged_engine"]
+    why = (f"{ADAPTER_SYNC_FACTOR:g} x the merged weights' |dlogp| on the same prompts ({logprobs['merged_engine']:.2e}"
+           "): the LoRA kernels may round otherwise than the merged weights, not by more")
+    figure = (f"|dlogp| trainer vs engine: before the step {logprobs['before_step']:.2e}, stale engine "
+              f"{logprobs['stale_engine']:.2e}, serving the step's adapters {logprobs['after_sync']:.2e}, serving "
+              f"the merged export {logprobs['merged_engine']:.2e}")
+    values = {**logprobs, "bound": bound}
+    if logprobs["stale_engine"] <= bound:
+        return Check(name, FAIL, figure, "the doctor's optimizer step moved the trainer's log-probs less than the "
+                     "bound: a stale engine would pass, so the comparison proves nothing",
+                     "a larger trainer.lr for the doctor's step", values, why)
+    if logprobs["after_sync"] > bound:
+        return Check(name, FAIL, figure, "the engine serving the step's adapters is further from the trainer than "
+                     "the same engine serving the merged weights: the adapters it loaded are not the trainer's",
+                     "check the adapter folder (runs/<run>/adapters) against the engine log's LoRA load", values, why)
+    return Check(name, PASS, figure, values=values, bound=why)
+
+
 # ---------------------------------------------------------------------------------------------- 6. trace
 def trace(report: TraceReport, control: TraceReport) -> Check:
     """Every sample's tokens and routes identical at every boundary from the rollout to the router

@@ -108,11 +108,16 @@ class RolloutClient:
         # the weight version requests are sent under once updates happen in flight (serve_version); None: the
         # engines' prefix cache is reset at every update instead, and requests carry no salt
         self.sent_version: int | None = None
+        # the LoRA adapter requests name (trainer.lora.sync=adapter: the engines serve each version's adapters under
+        # a name of its own, r3rl.sync.adapter); None: the engines' own weights
+        self.adapter: str | None = None
 
-    def serve_version(self, version: int) -> None:
-        """From now on the engines serve weight ``version``, updated in flight: requests carry it as their
-        ``cache_salt`` and their samples count as no newer than it (see the module docstring)."""
+    def serve_version(self, version: int, adapter: str | None = None) -> None:
+        """From now on the engines serve weight ``version``, updated in flight or as the LoRA ``adapter`` requests
+        name: requests carry it as their ``cache_salt`` and their samples count as no newer than it (see the module
+        docstring)."""
         self.sent_version = version
+        self.adapter = adapter
 
     @property
     def cache_salt(self) -> str | None:
@@ -186,7 +191,7 @@ class RolloutClient:
                     sent = self.sent_version
                     body = request_body(rid, prompt, sampling, sample_seed(sampling.seed, step, first),
                                         stop_token_ids, None if max_tokens is None else max_tokens[group], n=count,
-                                        cache_salt=self.cache_salt)
+                                        cache_salt=self.cache_salt, adapter=self.adapter)
                     raw = await self._post(clients[url], url, body, samples_named(first, count), rid)
                 break
             # A long response off the event loop: a 32K-token one is a 17 MB JSON string (~20 ms to parse) plus
@@ -238,7 +243,7 @@ class RolloutClient:
         await self._running.wait()  # never send into a paused engine
         sent = self.sent_version
         body = request_body(request_id, context, sampling, seed, stop_token_ids, max_tokens, routes_from=routes_from,
-                            cache_salt=self.cache_salt)
+                            cache_salt=self.cache_salt, adapter=self.adapter)
         raw = await self._post(sessions[url], url, body, f"sample {index}", request_id)
         parse = functools.partial(samples_from_body, raw, url=url, first_index=index, count=1, group=group,
                                   request_id=request_id, prompt=context,

@@ -35,12 +35,14 @@ def sample_seed(base_seed: int, step: int, index: int) -> int:
 
 def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfig, seed: int,
                  stop_token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
-                 n: int = 1, routes_from: int = 0, cache_salt: str | None = None) -> dict[str, Any]:
+                 n: int = 1, routes_from: int = 0, cache_salt: str | None = None,
+                 adapter: str | None = None) -> dict[str, Any]:
     """One request for ``n`` samples of ``prompt``; vLLM seeds its ``j``-th sample with ``seed + j`` (its parallel
     sampling), so the samples are those of ``n`` one-sample requests seeded ``seed .. seed + n - 1``.
     ``routes_from``: the first route row the engine returns (vLLM's ``routed_experts_prompt_start``; a multi-turn
     episode's later turns hold the rows before it already). ``cache_salt``: vLLM shares prefix-cache blocks only
-    between requests of the same salt."""
+    between requests of the same salt. ``adapter``: the LoRA adapter the engine serves the request with (vLLM's
+    ``model``; ``trainer.lora.sync=adapter``), None for its own weights."""
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -62,6 +64,8 @@ def request_body(request_id: str, prompt: Sequence[int], sampling: SamplingConfi
     body = {"request_id": request_id, "token_ids": [int(t) for t in prompt], "sampling_params": params}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if adapter is not None:
+        body["model"] = adapter
     return body
 
 

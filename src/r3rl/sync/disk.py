@@ -33,15 +33,16 @@ class WeightUpdate:
     seconds: float
 
 
-def post_dev_route(client: httpx.Client, url: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
-    """POST to one of vLLM's dev routes; any failure is an EngineError naming the engine and what was being done."""
+def post_dev_route(client: httpx.Client, url: str, path: str, what: str, *,
+                   needs: str = "VLLM_SERVER_DEV_MODE=1", **kwargs: Any) -> httpx.Response:
+    """POST to one of vLLM's dev routes; any failure is an EngineError naming the engine and what was being done
+    (``needs``: what the server must have been started with for ``path`` to exist)."""
     try:
         resp = client.post(f"{url}{path}", **kwargs)
     except httpx.HTTPError as err:
         raise EngineError(f"engine {url}: {what} failed: {type(err).__name__}: {err}", url=url) from err
     if resp.status_code == 404:
-        raise EngineError(f"engine {url}: {path} not found; {what} needs VLLM_SERVER_DEV_MODE=1 on the server",
-                          url=url)
+        raise EngineError(f"engine {url}: {path} not found; {what} needs {needs} on the server", url=url)
     if resp.status_code != 200:
         raise EngineError(f"engine {url}: {what} failed with HTTP {resp.status_code}: {resp.text[:2000]}", url=url)
     return resp

@@ -69,12 +69,15 @@ def _pack_experts(pairs: dict[int, AdapterPair], num_experts: int, where: str) -
     return a, b.reshape(b.shape[0], -1)
 
 
-def peft_tensors(pairs: Iterable[AdapterPair], layout: HFLayout, num_experts: int) -> dict[str, torch.Tensor]:
-    """PEFT's adapter state dict (keys with ``base_model.model.``) for the whole model's adapter pairs."""
+def peft_tensors(pairs: Iterable[AdapterPair], layout: HFLayout, num_experts: int, *,
+                 per_expert: bool = False) -> dict[str, torch.Tensor]:
+    """PEFT's adapter state dict (keys with ``base_model.model.``) for the whole model's adapter pairs.
+    ``per_expert``: each expert's linears under their transformers-4 names (``experts.<e>.gate_proj``, ...), the
+    layout vLLM's fused-MoE LoRA loads by default, instead of PEFT's 3-D expert parameters."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, AdapterPair]] = {}
     for pair in pairs:
-        if pair.ref.kind in EXPERT_PARAMS:
+        if pair.ref.kind in EXPERT_PARAMS and not per_expert:
             experts.setdefault((pair.ref.layer, pair.ref.kind), {})[pair.ref.expert] = pair
             continue
         names = hf_names(pair.ref, layout)
@@ -96,10 +99,18 @@ def peft_tensors(pairs: Iterable[AdapterPair], layout: HFLayout, num_experts: in
     return {k: v.detach().cpu().clone().contiguous() for k, v in out.items()}
 
 
-def peft_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, base: str | None) -> dict:
+def peft_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, base: str | None, *,
+                per_expert: bool = False) -> dict:
     """``adapter_config.json``: the adapted modules by full name (PEFT matches a target by name or suffix, so a
     short ``gate_proj`` would also adapt a shared expert's), the 3-D expert parameters by their suffix, and a dense
-    or shared-expert MLP's linears by their weight (``V4_EXPERT_LEAVES``)."""
+    or shared-expert MLP's linears by their weight (``V4_EXPERT_LEAVES``). ``per_expert`` (vLLM's layout): the
+    adapted linears' short names, as vLLM reads them (which modules load is decided by the tensors' keys)."""
+    common = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+              "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
+              "base_model_name_or_path": base}
+    if per_expert:
+        leaves = {k.removeprefix(PREFIX).rsplit(".lora_", 1)[0].rsplit(".", 1)[1] for k in tensors}
+        return {**common, "target_modules": sorted(leaves)}
     modules, params = set(), set()
     for key in tensors:
         module = key.removeprefix(PREFIX).rsplit(".lora_", 1)[0]
@@ -109,10 +120,7 @@ def peft_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, base:
             params.add(f"{module}.weight")
         else:
             modules.add(module)
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
-            "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
-            "target_modules": sorted(modules), "target_parameters": sorted(params) or None,
-            "base_model_name_or_path": base}
+    return {**common, "target_modules": sorted(modules), "target_parameters": sorted(params) or None}
 
 
 def write_folder(tensors: dict[str, torch.Tensor], config: dict, out: Path, info: dict) -> Path:

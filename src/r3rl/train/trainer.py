@@ -128,9 +128,10 @@ class MegatronTrainer(PolicySteps, Checkpointing):
         own tensors bucket by bucket, rank 0 the index. Collective."""
         return export.write_hf(self.weight_stream(), out_dir, self.source)
 
-    def export_adapter(self, out_dir: str | Path, info: dict) -> Path:
+    def export_adapter(self, out_dir: str | Path, info: dict, per_expert: bool = False) -> Path:
         """Write the LoRA adapters as a PEFT adapter folder for the base this run adapts (``self.source``); rank 0
-        gathers every rank's pairs and writes it. Collective."""
+        gathers every rank's pairs and writes it (``per_expert``: vLLM's layout of the experts' adapters, for
+        ``sync=adapter``). Collective."""
         pairs = peft_adapter.local_pairs(self.bare)
         parts = [pairs]
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -140,8 +141,9 @@ class MegatronTrainer(PolicySteps, Checkpointing):
         if parts is not None:
             lora_cfg = self.cfg.trainer.lora
             tensors = peft_adapter.peft_tensors([p for part in parts for p in part], self.attention,
-                                                self.cfg.model.num_experts)
-            config = peft_adapter.peft_config(tensors, lora_cfg.rank, lora_cfg.alpha, str(self.source))
+                                                self.cfg.model.num_experts, per_expert=per_expert)
+            config = peft_adapter.peft_config(tensors, lora_cfg.rank, lora_cfg.alpha, str(self.source),
+                                              per_expert=per_expert)
             peft_adapter.write_folder(tensors, config, out, info)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()

@@ -24,7 +24,7 @@ GPU = "parallelism=colocated"
     (["trainer.lora.alpha=0"], "trainer.lora.alpha", "must be > 0"),
     (["trainer.lora.rank=64"], "trainer.lora.rank", "full-parameter training"),
     (["trainer.lora.expert_adapters=each"], "trainer.lora.expert_adapters", "per_expert"),
-    (["trainer.lora.sync=adapter"], "trainer.lora.sync", "fused_moe/oracle/unquantized.py:234-248"),
+    (["trainer.lora.sync=adapter"], "trainer.lora.sync", "moe_align_block_size"),
 ])
 def test_a_bad_lora_setting_is_refused_naming_its_key(overrides, key, words):
     """Fails if any rule were dropped: a router adapter (R3 replays the engine's routes into an unchanged router),
@@ -65,3 +65,43 @@ def test_transformer_engines_linears_only_without_adapters(have_te, cpu, adapter
     Megatron's own linears under LoRA. Fails if a LoRA run on a GPU with TE built TE's fused linears, which the
     adapters cannot hook."""
     assert uses_transformer_engine(have_te, cpu, adapters) is expected
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["algorithm.max_staleness=1", "algorithm.weight_update=in_flight"], "fixed for a request when it is sent"),
+    (["rollout.weight_sync.backend=nccl"], "leave the backend auto"),
+    (["rollout.engine.url=http://127.0.0.1:8000"], "not started with --enable-lora"),
+])
+def test_the_adapter_sync_refuses_what_it_cannot_keep(overrides, words):
+    """On GPUs ``trainer.lora.sync=adapter`` is refused with weights landing under running requests (a request's
+    adapter is fixed when it is sent), with a weight-transfer backend named (nothing is transferred), and with an
+    attached engine (not started with --enable-lora). Fails if any of these rules were dropped."""
+    with pytest.raises(ConfigError) as info:
+        compose([GPU, "trainer.lora.rank=8", "trainer.lora.sync=adapter", *overrides])
+    assert any(k == "trainer.lora.sync" and words in reason for k, reason in info.value.problems), \
+        info.value.problems
+
+
+def test_the_adapter_sync_starts_the_engines_with_lora_slots_and_plans_their_memory():
+    """``trainer.lora.sync=adapter`` on GPUs: the engines start with --enable-lora, the narrowest --max-lora-rank
+    vLLM allows above the rank, one slot per version a batch may still name (max_staleness + 1), the runtime-LoRA
+    environment, and no weight-transfer backend; the plan counts the slots in the engine's share and no sync
+    buffers in the trainer's. Fails if any flag were lost (vLLM would refuse the load or the rank), if a
+    one-step-ahead run had one slot (the batch ahead names the previous adapter), or if the memory plan ignored
+    the slots."""
+    from r3rl.plan import build_plan
+
+    split = ["parallelism=disaggregated_4p4", "trainer.lora.rank=12"]
+    merged = build_plan(compose(split))
+    plan = build_plan(compose([*split, "trainer.lora.sync=adapter", "algorithm.max_staleness=1", "correction=tis"]))
+    argv, env = plan.engines[0].argv, plan.engines[0].env
+    assert argv[argv.index("--max-lora-rank") + 1] == "16" and argv[argv.index("--max-loras") + 1] == "2"
+    assert "--enable-lora" in argv and "--weight-transfer-config" not in argv
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "--enable-lora" not in merged.engines[0].argv and "--weight-transfer-config" in merged.engines[0].argv
+
+    def parts(p):
+        return {part.name: part.bytes for g in p.memory.gpus for _, part in g.parts}
+
+    assert parts(plan)["engine LoRA slots"] > 0 and "engine LoRA slots" not in parts(merged)
+    assert parts(plan)["weight sync buffers"] == 0 < parts(merged)["weight sync buffers"]

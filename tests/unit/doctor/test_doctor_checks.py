@@ -177,6 +177,20 @@ def test_the_weight_sync_names_the_parameters_an_engine_emptied():
     assert "hold no data" not in C.weight_sync(sums(a="new-a"), sums(a="new-a"), sums(a="old-a"), lp).figure
 
 
+def test_the_adapter_sync_is_judged_by_the_engines_log_probs_against_its_merged_weights():
+    """``trainer.lora.sync=adapter`` moves no checksum; the engine serving the step's adapters must be as close to
+    the trainer as the engine serving the merged export (within 2x). Fails if an engine that kept serving the base
+    (after_sync = the stale engine's figure) passed, or if a step too small for the stale engine to cross the bound
+    passed (the comparison could not tell a loaded adapter from none)."""
+    lp = {"before_step": 1e-3, "stale_engine": 4e-2, "after_sync": 1.2e-3, "merged_engine": 1e-3}
+    ok = C.adapter_sync(lp)
+    assert ok.status == C.PASS and "serving the step's adapters 1.20e-03" in ok.figure and ok.values["bound"] == 2e-3
+    missed = C.adapter_sync({**lp, "after_sync": lp["stale_engine"]})
+    assert missed.status == C.FAIL and "not the trainer's" in missed.detail
+    small = C.adapter_sync({**lp, "stale_engine": 1.5e-3})
+    assert small.status == C.FAIL and "proves nothing" in small.detail
+
+
 def test_a_quantised_rollout_or_a_low_precision_router_fails_naming_the_key():
     """Fails if an engine launched with --quantization, or trainer router weights below its params, passed."""
     trainer = {"params_dtype": "float32", "router_weight_dtype": "float32", "router_compute_dtype": "fp32"}

@@ -155,6 +155,9 @@ def test_request_body_and_seeds():
     assert request_body("r", [1], longer, 5, max_tokens=3)["sampling_params"]["min_tokens"] == 3
     seeds = {sample_seed(100, step, i) for step in range(3) for i in range(64)}
     assert len(seeds) == 3 * 64 and sample_seed(100, 2, 5) == 100 + 2 * 100003 + 5
+    # the LoRA adapter (trainer.lora.sync=adapter) is vLLM's model field, absent for the engine's own weights
+    assert "model" not in b and request_body("r", [1], sampling, 5, adapter="r3rl-policy-v2")["model"] == \
+        "r3rl-policy-v2"
 
 
 def test_raw_body_that_is_not_a_json_object_is_an_engine_error():
