@@ -269,7 +269,8 @@ def _local_params(cfg: R3RLConfig) -> int:
 
 def _trained_split(cfg: R3RLConfig) -> tuple[int, int]:
     """(dense, expert) parameters one trainer rank trains: all it holds, or under LoRA its adapters alone (split as
-    their linears are: dense over PP, per-expert adapters over EP x PP; LoRA refuses tensor parallel)."""
+    their linears are: dense over PP, per-expert adapters over EP x PP; under tensor parallel a dense adapter
+    splits one factor of two, counted whole here: an upper bound)."""
     if cfg.trainer.lora.rank <= 0:
         return _local_split(cfg)
     t = cfg.parallelism.trainer

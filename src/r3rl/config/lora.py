@@ -80,14 +80,13 @@ def lora_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     check(lora.expert_adapters in EXPERT_ADAPTERS, "expert_adapters",
           f"must be one of {EXPERT_ADAPTERS}, got {lora.expert_adapters!r}")
     check(lora.sync in SYNC_MODES, "sync", f"must be one of {SYNC_MODES}, got {lora.sync!r}")
-    # the adapters split with their linears (r3rl.train.lora), but a checkpoint would store each rank's shard of B
-    # (column-parallel) or A (row-parallel) as if replicated: until that is built, no tensor-parallel split
-    par = cfg.parallelism.trainer
-    for key, size in (("tensor_parallel", par.tensor_parallel), ("expert_tensor_parallel", par.expert_tensor_parallel)):
-        if size > 1:
-            problems.append((f"parallelism.trainer.{key}", f"must be 1 with trainer.lora (got {size}): LoRA adapters "
-                             "under a tensor-parallel split are not checkpointed yet; split the experts with "
-                             "expert_parallel and the batch with data parallel instead"))
+    # an expert's linears under expert tensor parallel leave their communication to the token dispatcher
+    # (Megatron's explicit_expert_comm), which an adapter's forward hook cannot join
+    etp = cfg.parallelism.trainer.expert_tensor_parallel
+    if etp > 1:
+        problems.append(("parallelism.trainer.expert_tensor_parallel", f"must be 1 with trainer.lora (got {etp}): "
+                         "split experts leave their tensor-parallel communication to Megatron's token dispatcher, "
+                         "which the adapters' hooks cannot join; split the experts with expert_parallel instead"))
     if lora.sync == "adapter":
         check(cfg.parallelism.device != "cpu", "sync", ADAPTER_SYNC_ON_CPU)
         check(lora.rank <= VLLM_LORA_RANKS[-1], "sync", f"vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]} "

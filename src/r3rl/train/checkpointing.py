@@ -23,7 +23,7 @@ class Checkpointing:
         metadata = checkpoint.sharding_metadata(optimizer_format)
         model = self.bare.sharded_state_dict(metadata=metadata)
         if self.cfg.trainer.lora.rank > 0:  # adapters only: the frozen base is the HF checkpoint the run starts from
-            model = {k: v for k, v in model.items() if lora.is_adapter(k)}
+            model = lora.shard_adapters({k: v for k, v in model.items() if lora.is_adapter(k)})
         state = {"model": model}
         if optimizer:
             state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading, metadata)

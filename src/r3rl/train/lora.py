@@ -33,10 +33,11 @@ class LoRAAdapter(torch.nn.Module):
     """The adapter of one linear (or, shared, of the same linear of every expert of a layer)."""
 
     def __init__(self, weight: torch.Tensor, parallel: str, rank: int, alpha: float, tp_group, *, seed: int,
-                 tp_size: int, tp_rank: int, expert: bool):
+                 tp_size: int, tp_rank: int, expert: bool, sequence_parallel: bool = False):
         super().__init__()
         out_local, in_local = weight.shape
         self.parallel, self.scale, self.tp_group = parallel, alpha / rank, tp_group
+        self.sequence_parallel = sequence_parallel and tp_size > 1
         full_in = in_local * tp_size if parallel == "row" else in_local
         # PEFT's default: A ~ kaiming-uniform(a=sqrt(5)), B = 0. Drawn whole from a generator of its own, then cut,
         # so an adapter starts the same under any tensor-parallel split
@@ -53,16 +54,30 @@ class LoRAAdapter(torch.nn.Module):
                 (0 if parallel == "column" else 1), 1
         for p in (self.a, self.b):
             p.allreduce = not expert  # Megatron's DDP: False reduces over the expert data-parallel group
+        if self.sequence_parallel and parallel == "row":
+            # B sees only this rank's tokens (the output is scattered over the sequence): Megatron's
+            # finalize_model_grads sums the gradients of parameters marked so over the tensor-parallel ranks
+            self.b.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallelism the linear's input (column) or output (row) is split over the sequence: the
+        column adapter gathers its input as the linear does (its gradient then split back, not summed: the rank-r
+        gradient is summed before it), and the row adapter's partial A x is summed and scattered over the
+        sequence, as the linear's output is."""
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                            reduce_from_tensor_model_parallel_region)
+                                                            gather_from_sequence_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region,
+                                                            reduce_scatter_to_sequence_parallel_region)
 
-        h = torch.nn.functional.linear(x.to(self.a.dtype), self.a)
+        x = x.to(self.a.dtype)
         if self.parallel == "column":
-            h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
+            h = copy_to_tensor_model_parallel_region(torch.nn.functional.linear(x, self.a), group=self.tp_group)
+        elif self.sequence_parallel:
+            h = reduce_scatter_to_sequence_parallel_region(torch.nn.functional.linear(x, self.a), group=self.tp_group)
         else:
-            h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+            h = reduce_from_tensor_model_parallel_region(torch.nn.functional.linear(x, self.a), group=self.tp_group)
         return torch.nn.functional.linear(h, self.b) * self.scale
 
     @torch.no_grad()
@@ -94,6 +109,12 @@ def _parallel(linear) -> str:
         return "row"
     raise TypeError(f"LoRA adapts Megatron's ColumnParallelLinear and RowParallelLinear (the local layer spec), got "
                     f"{type(linear).__name__}: TransformerEngine's linears and grouped experts are not adapted yet")
+
+
+def _sequence_parallel(linear) -> bool:
+    """Whether Megatron split this linear's input (column) or output (row) over the sequence: never for experts
+    whose tokens the dispatcher moves (``explicit_expert_comm``), nor without tensor parallel."""
+    return bool(getattr(linear, "sequence_parallel", False)) and not getattr(linear, "explicit_expert_comm", False)
 
 
 def _seed(base_seed: int, name: str) -> int:
@@ -149,7 +170,8 @@ def add_adapters(model, lora: LoRAConfig, seed: int) -> int:
                     if owner:
                         shared[which] = LoRAAdapter(linear.weight, parallel, lora.rank, lora.alpha, linear.tp_group,
                                                     seed=_seed(seed, prefix + "mlp.experts." + which),
-                                                    tp_size=size, tp_rank=rank, expert=False)
+                                                    tp_size=size, tp_rank=rank, expert=False,
+                                                    sequence_parallel=_sequence_parallel(linear))
                         layer.mlp.add_module(f"{ADAPTER}_experts_{which}", shared[which])
                     _attach(linear, shared[which], owner=False)
                     count += owner
@@ -159,7 +181,8 @@ def add_adapters(model, lora: LoRAConfig, seed: int) -> int:
                     local = int(name.split(".")[3])
                     key = f"mlp.experts.{ep_rank * len(layer.mlp.experts.local_experts) + local}.{which}"
                 adapter = LoRAAdapter(linear.weight, parallel, lora.rank, lora.alpha, linear.tp_group,
-                                      seed=_seed(seed, prefix + key), tp_size=size, tp_rank=rank, expert=expert)
+                                      seed=_seed(seed, prefix + key), tp_size=size, tp_rank=rank, expert=expert,
+                                      sequence_parallel=_sequence_parallel(linear))
                 _attach(linear, adapter, owner=True)
                 count += 1
     return count
@@ -189,6 +212,23 @@ def base_fingerprint(folder, head_bytes: int = 1 << 20) -> str:
         with open(path, "rb") as f:
             digest.update(f.read(head_bytes))
     return digest.hexdigest()[:16]
+
+
+def shard_adapters(sharded: dict) -> dict:
+    """A model's sharded state dict with each tensor-parallel adapter factor (a column-parallel B, a row-parallel
+    A) as a shard of its whole tensor. Megatron's linears list their children's parameters as replicated over the
+    tensor-parallel ranks, so each rank's different shard would be saved under one key, and one of them lost."""
+    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+    out = {}
+    for key, sh in sharded.items():
+        param = getattr(sh, "data", None)
+        if is_adapter(key) and getattr(param, "tensor_model_parallel", False):
+            offsets = tuple((i, sh.global_offset[i], sh.axis_fragmentations[i]) for i in range(sh.prepend_axis_num))
+            sh = make_tp_sharded_tensor_for_checkpoint(param, sh.key, tp_axis=param.partition_dim,
+                                                       prepend_offsets=offsets)
+        out[key] = sh
+    return out
 
 
 def is_adapter(name: str) -> bool:

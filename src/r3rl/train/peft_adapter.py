@@ -143,24 +143,38 @@ def write_folder(tensors: dict[str, torch.Tensor], config: dict, out: Path, info
 
 
 def local_pairs(model) -> list[AdapterPair]:
-    """This rank's adapter pairs with global layer and expert ids, each pair from one replica only (data-parallel
-    rank 0 for attention and dense adapters, expert-data-parallel rank 0 for the experts'). Tensor parallel 1."""
+    """This rank's adapter pairs, whole, with global layer and expert ids, each pair from one replica only
+    (data-parallel rank 0 for attention and dense adapters, expert-data-parallel rank 0 for the experts'). A factor
+    split over tensor-parallel ranks is gathered in its group (collective: every rank of the group walks the same
+    parameters); dense pairs are kept by tensor-parallel rank 0."""
     from megatron.core import parallel_state as ps
 
-    from r3rl.train.convert import ShardInfo, layer_numbers, named_weights, parse_name
+    from r3rl.train.convert import ShardInfo, layer_numbers, named_weights, parse_name, partition_dim, unshard
 
     info = ShardInfo.current(model)
-    if info.tp_size > 1 or info.etp_size > 1:
-        raise ValueError("an adapter export needs tensor parallel 1 (trainer.lora refuses TP above 1)")
+    if info.etp_size > 1:
+        raise ValueError("an adapter export needs expert tensor parallel 1 (trainer.lora refuses it above 1)")
     dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_first = ps.get_expert_data_parallel_rank() == 0
     layers, offset = layer_numbers(model), info.ep_rank * info.num_local_experts
+
+    def whole(factor: torch.Tensor, ref: ParamRef) -> torch.Tensor:
+        dim = partition_dim(factor)
+        if dim is None or info.tp_size == 1:
+            return factor.detach().cpu()
+        pieces = [torch.empty_like(factor) for _ in range(info.tp_size)]
+        torch.distributed.all_gather(pieces, factor.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+        return unshard([p.cpu() for p in pieces], ref, dim)  # a [gate; up] B joins per half, as its weight does
+
     pairs = []
     for name, param in named_weights(model):
         adapter = getattr(param, "_r3rl_lora", None)
         if adapter is None:
             continue
         ref = parse_name(name, layers, offset)
-        if expert_first if ref.kind in EXPERT_PARAMS else dense_first:
-            pairs.append(AdapterPair(ref, adapter.a.detach().cpu(), adapter.b.detach().cpu()))
+        a, b = whole(adapter.a, ref), whole(adapter.b, ref)
+        # expert factors are never split (expert tensor parallel 1), and the experts of tensor-parallel ranks may
+        # differ (expert parallel can span them): only the dense factors are kept by tensor-parallel rank 0 alone
+        if expert_first if ref.kind in EXPERT_PARAMS else (dense_first and info.tp_rank == 0):
+            pairs.append(AdapterPair(ref, a, b))
     return pairs

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 ONE_GPU = ("parallelism=colocated", "parallelism.gpus_per_node=1", "parallelism.trainer.num_gpus=1",
            "parallelism.trainer.expert_parallel=1", "parallelism.rollout.num_gpus=1",
            "parallelism.rollout.num_engines=1", "parallelism.rollout.tensor_parallel=1",
-           "parallelism.rollout.expert_parallel=false", "parallelism.cpus_per_gpu=4", "parallelism.host_memory_gib=null")
+           "parallelism.rollout.expert_parallel=false", "parallelism.cpus_per_gpu=4",
+           "parallelism.host_memory_gib=null")
 ADAPTER = ("trainer.lora.rank=8", "trainer.lr=5e-3", "trainer.lora.sync=adapter")
 
 

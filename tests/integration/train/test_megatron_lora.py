@@ -168,21 +168,28 @@ def test_expert_parallel_2_trains_the_adapters_as_one_process_does(adapters, tmp
         torch.testing.assert_close(ep["adapter"][key], t, atol=1e-5, rtol=1e-4, msg=key)
 
 
-def test_tensor_parallel_2_adapters_count_the_update_once(tmp_path, torchrun_rendezvous):
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sequence_parallel"])
+def test_tensor_parallel_2_adapters_count_the_update_once_and_checkpoint_whole(tmp_path, torchrun_rendezvous, sp):
     """Megatron's ColumnParallelLinear then RowParallelLinear over 2 tensor-parallel ranks (real processes, gloo),
     each with an adapter, against the same two linears in float64 by hand: the output, the input's gradient and
-    every adapter factor's gradient agree, and the replicated factors' gradients are equal on both ranks. The
-    trainer refuses LoRA under tensor parallel until the adapters' shards are checkpointed (TP on CPU needs sequence
-    parallel, which CPU LayerNorm refuses), so this is the split's only check before a GPU. Fails if the
-    row-parallel adapter's update were added on every rank before the reduce (miles #3232: counted twice), or a
-    replicated factor's gradient were left partial on each rank."""
+    every adapter factor's gradient agree, and the replicated factors' gradients are equal on both ranks; under
+    sequence parallelism (what Megatron's MoE layers need with TP) too, its partial gradients summed over the ranks
+    as finalize_model_grads does. The adapters saved with dist_checkpointing by both ranks read back as the whole
+    factors. (A whole LoRA model under TP cannot run on CPU: the CPU LayerNorm refuses sequence parallel.) Fails if
+    the row-parallel adapter's update were added on every rank before the reduce (miles #3232: counted twice), a
+    replicated factor's gradient were left partial, the sequence-parallel input were not gathered or the output not
+    scattered (shapes or values off), the row B lost its sequence-parallel mark (half its gradient), or the sharded
+    state listed a split factor as replicated (one rank's half lost: ``lora.shard_adapters``)."""
     import pickle
+
+    from megatron.core.dist_checkpointing import load_plain_tensors
 
     import megatron_lora_tp_worker as worker
     from test_megatron_expert_parallel import finish, launch
 
-    out = tmp_path / "out.pkl"
-    finish(launch(2, [str(out)], tmp_path, torchrun_rendezvous(2), worker=worker.WORKER_PATH), tmp_path, timeout=120)
+    out, ckpt = tmp_path / "out.pkl", tmp_path / "ckpt"
+    finish(launch(2, [str(out), str(ckpt), *(["sp"] if sp else [])], tmp_path, torchrun_rendezvous(2),
+                  worker=worker.WORKER_PATH), tmp_path, timeout=120)
     got = pickle.loads(out.read_bytes())
     t = worker.full_tensors()
     scale = worker.ALPHA / worker.RANK_R
@@ -196,3 +203,12 @@ def test_tensor_parallel_2_adapters_count_the_update_once(tmp_path, torchrun_ren
     for key, ref in (("dx", x.grad), ("da1", a1.grad), ("db1", b1.grad), ("da2", a2.grad), ("db2", b2.grad)):
         assert torch.allclose(got[key], ref, atol=1e-10), key
     assert torch.equal(got["b2_replicas"][0], got["b2_replicas"][1])
+    # dist_checkpointing reads through torch.distributed: a one-process group of this test's own, torn down after
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        saved = load_plain_tensors(str(ckpt))
+    finally:
+        torch.distributed.destroy_process_group()
+    for key, whole in (("column.lora.a", got["a1"]), ("column.lora.b", t["b1"]), ("row.lora.a", got["a2"]),
+                       ("row.lora.b", t["b2"])):
+        assert torch.equal(saved[key], whole), key

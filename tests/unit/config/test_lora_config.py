@@ -44,18 +44,23 @@ def test_lora_off_ignores_its_other_settings_and_the_defaults_pass():
         compose([CPU, "trainer.lora.rank=-1"])
 
 
-def test_lora_under_a_tensor_parallel_split_is_refused_and_on_gpus_adapts_megatrons_own_linears():
+def test_lora_on_gpus_adapts_megatrons_own_linears_under_tensor_parallel_but_not_split_experts():
     """On GPUs a LoRA run's experts are a SequentialMLP (no grouped GEMM) and no fused weight-gradient accumulation
-    goes into the frozen base; without LoRA the GPU settings stay on. Tensor parallel is refused with LoRA until its
-    adapter shards are checkpointed. Fails if a LoRA GPU run kept grouped experts (the adapters would find no expert
-    linear to hook) or a TP split slipped through."""
+    goes into the frozen base; without LoRA the GPU settings stay on. Tensor parallel (with the sequence
+    parallelism Megatron's MoE needs) is allowed; expert tensor parallel is refused, naming the key. Fails if a LoRA
+    GPU run kept grouped experts (the adapters would find no expert linear to hook), or if split experts, whose
+    communication the token dispatcher does, slipped through."""
     full, lora = compose([GPU]), compose([GPU, "trainer.lora.rank=8"])
     assert megatron_config(full, "bfloat16")["moe_grouped_gemm"] is True
     settings = megatron_config(lora, "bfloat16")
     assert settings["moe_grouped_gemm"] is False and settings["gradient_accumulation_fusion"] is False
-    with pytest.raises(ConfigError, match="parallelism.trainer.tensor_parallel: must be 1 with trainer.lora"):
+    tp = compose([GPU, "trainer.lora.rank=8", "parallelism.trainer.tensor_parallel=2",
+                  "parallelism.trainer.sequence_parallel=true", "parallelism.trainer.expert_parallel=4"])
+    assert tp.parallelism.trainer.tensor_parallel == 2
+    with pytest.raises(ConfigError, match="parallelism.trainer.expert_tensor_parallel: must be 1 with trainer.lora"):
         compose([GPU, "trainer.lora.rank=8", "parallelism.trainer.tensor_parallel=2",
-                 "parallelism.trainer.sequence_parallel=true"])
+                 "parallelism.trainer.sequence_parallel=true", "parallelism.trainer.expert_parallel=4",
+                 "parallelism.trainer.expert_tensor_parallel=2"])
 
 
 @pytest.mark.parametrize("have_te, cpu, adapters, expected", [
