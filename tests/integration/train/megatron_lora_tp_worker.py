@@ -3,7 +3,8 @@ ColumnParallelLinear then RowParallelLinear, each with an r3rl adapter, forward 
 writes the output and the gathered gradients of the input and of every adapter factor. With ``sp``, under sequence
 parallelism (the input and the output split over the sequence, as Megatron's MoE layers need with tensor
 parallel), the sequence-parallel gradients summed over the ranks as Megatron's ``finalize_model_grads`` does. Then
-both ranks save the adapters with Megatron's ``dist_checkpointing`` (the trainer's sharded state) to ``CKPT``.
+both ranks save the adapters with Megatron's ``dist_checkpointing`` (the trainer's sharded state) to ``CKPT`` and
+read them back whole.
 
 Usage: python megatron_lora_tp_worker.py OUT.pkl CKPT [sp]
 """
@@ -96,8 +97,9 @@ def main() -> None:
         os.makedirs(ckpt, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save(lora.shard_adapters({k: v for k, v in sharded.items() if lora.is_adapter(k)}), ckpt)
+    saved = dist_checkpointing.load_plain_tensors(ckpt)  # every tensor whole, as a one-process load reads it
 
-    result = {"y": y, "dx": dx,
+    result = {"y": y, "dx": dx, "saved": saved,
               "a1": column.lora.a.detach(), "da1": column.lora.a.grad.detach(),
               "db1": whole(column.lora.b.grad.detach(), 0),
               "a2": whole(row.lora.a.detach(), 1), "da2": whole(row.lora.a.grad.detach(), 1),

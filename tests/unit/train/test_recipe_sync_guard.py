@@ -1,5 +1,6 @@
 """A weight sync between batches never starts while a batch generated ahead of the trainer is still in flight; an
-in-flight one (``algorithm.weight_update=in_flight``) does, and reaches every client still generating."""
+in-flight one (``algorithm.weight_update=in_flight``) does, and reaches every client still generating; with
+``trainer.lora.sync=adapter`` every client names the new version's adapter."""
 
 from __future__ import annotations
 
@@ -17,15 +18,19 @@ class Client:
     def __init__(self):
         self.versions = []
 
-    def serve_version(self, version):
-        self.versions.append(version)
+    def serve_version(self, version, adapter=None):
+        self.versions.append(version if adapter is None else (version, adapter))
 
 
-def bare_recipe(monkeypatch, synced: list, *, in_flight: bool) -> GRPORecipe:
-    monkeypatch.setattr(common.Recipe, "sync_weights",
-                        lambda self, version, in_flight=False: synced.append((version, in_flight)))
+def bare_recipe(monkeypatch, synced: list, *, in_flight: bool, adapters: bool = False) -> GRPORecipe:
+    def sync(self, version, in_flight=False):  # the engines' side: with adapters, the name they loaded
+        synced.append((version, in_flight))
+        if adapters:
+            self.adapter = f"r3rl-policy-v{version}"
+
+    monkeypatch.setattr(common.Recipe, "sync_weights", sync)
     recipe = GRPORecipe.__new__(GRPORecipe)  # only the attributes the guard reads: no engine, no trainer
-    recipe.in_flight = in_flight
+    recipe.in_flight, recipe.adapter = in_flight, None
     schedule = (InFlight if in_flight else OneStepAhead).__new__(InFlight if in_flight else OneStepAhead)
     schedule.recipe, schedule.ahead = recipe, None  # no producer: the test sets the batch ahead itself
     recipe.schedule = schedule
@@ -65,3 +70,16 @@ def test_an_in_flight_sync_goes_under_the_batch_ahead_and_every_live_client_take
     assert synced == [(4, True)]
     assert recipe.client.versions == [4] and recipe.live_clients[0].versions == [4]
     assert recipe.evaluator.client.versions == [4]
+
+
+def test_an_adapter_sync_between_batches_makes_every_client_name_the_new_adapter(monkeypatch):
+    """``trainer.lora.sync=adapter``: after the sync every client, the evaluator's too, sends the version's adapter
+    name and counts its samples as of that version. Fails if a client kept naming the previous adapter or the base
+    (its samples would be labelled with a version whose weights did not generate them, and an eval point would
+    score the old policy)."""
+    synced = []
+    recipe = bare_recipe(monkeypatch, synced, in_flight=False, adapters=True)
+    recipe.sync_weights(version=3)
+    assert synced == [(3, False)]
+    for client in (recipe.client, recipe.live_clients[0], recipe.evaluator.client):
+        assert client.versions == [(3, "r3rl-policy-v3")]
