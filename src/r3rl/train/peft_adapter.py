@@ -42,8 +42,8 @@ V4_EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass(frozen=True)
 class AdapterPair:
-    """One adapted Megatron linear, whole (tensor parallel 1): A ``[r, in]``, B ``[out, r]``, in its weight's
-    layout."""
+    """One adapted Megatron linear, whole (gathered over tensor parallel): A ``[r, in]``, B ``[out, r]``, in its
+    weight's layout."""
 
     ref: ParamRef
     a: torch.Tensor
