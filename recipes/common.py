@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 
 from r3rl import checkpoint
+from r3rl.config.lora import adapter_slots
 from r3rl.config.schema import R3RLConfig
 from r3rl.dashboard.local import write_comparison
 from r3rl.dashboard.panels import PANELS, Panel
@@ -28,7 +29,6 @@ from r3rl.eval.sets import eval_due, load_sets
 from r3rl.models.tiny_moe import ensure_checkpoint
 from r3rl.orchestration.groups import EngineGroup, TrainerGroup
 from r3rl.orchestration.ray_cluster import start_or_attach
-from r3rl.config.lora import adapter_slots
 from r3rl.plan import WandbNaming, build_plan, weight_sync_backend
 from r3rl.rollout import auth
 from r3rl.rollout.engine import EngineError, route_store_failure

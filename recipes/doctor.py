@@ -137,7 +137,12 @@ class Doctor(GRPORecipe):
         The trainer after the step, fed the engine's routes of before it, gives check 3 its near miss; the log-prob
         figures (before the step, stale engine, after the sync on the same requests generated again) are shown."""
         urls = self.engines.urls
-        stale_sums = {url: weight_checksums(url) for url in urls}
+        adapters = self.weight_sync == "adapter"
+
+        def sums() -> dict[str, dict[str, str]]:  # under the adapter sync the base never moves: the log-probs decide
+            return {} if adapters else {url: weight_checksums(url) for url in urls}
+
+        stale_sums = sums()
         batch = ray.put(samples)
         advantages = [np.full(s.response_length, 1.0 if i % 2 == 0 else -1.0, dtype=np.float32)
                       for i, s in enumerate(samples)]
@@ -152,17 +157,17 @@ class Doctor(GRPORecipe):
         started = time.perf_counter()
         self.sync_weights(version=1)
         self.sync_seconds = time.perf_counter() - started
-        synced_sums = {url: weight_checksums(url) for url in urls}
+        synced_sums = sums()
         fresh, _ = self.rollout(DOCTOR_STEP, prompts)
         synced = C.mean_abs_diff(self.trainers.call("logprobs", ray.put(fresh), replay=routed).logprobs, fresh)
         exported = Path(self.trainers.call("export_hf", self.run_dir / "weights"))
         for url in urls:  # vLLM's own loader on the trainer's weights: what the engine must hold
             update_weights_from_hf(url, exported, version=1)
-        reference = {url: weight_checksums(url) for url in urls}
+        reference = sums()
         figures = {"before_step": C.mean_abs_diff(before.logprobs, samples),
                    "stale_engine": C.mean_abs_diff(stale_pass.logprobs, samples), "after_sync": synced}
-        if self.adapter is not None:  # the base never moved: the engine's merged reload, served without the
-            # adapter, against the trainer on the same prompts
+        if adapters:  # the engine's merged reload, served without the adapter, against the trainer on the same
+            # prompts
             self.client.serve_version(1, None)
             merged, _ = self.rollout(DOCTOR_STEP, prompts)
             figures["merged_engine"] = C.mean_abs_diff(

@@ -64,7 +64,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from r3rl.config.families import kv_cache_per_token_layer, param_counts
-from r3rl.config.lora import adapter_counts, adapter_slots, engine_lora_rank
+from r3rl.config.lora import adapter_counts, adapter_slots, adapter_sync, engine_lora_rank
 from r3rl.config.schema import R3RLConfig
 
 GIB = 1024**3
@@ -374,11 +374,6 @@ def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -
         return parts
     share = int(engine_memory_share(cfg) * budget_bytes)
     return [*parts, Part("engine KV cache + runtime", max(share - held, 0))]
-
-
-def adapter_sync(cfg: R3RLConfig) -> bool:
-    """The engines serve LoRA adapters loaded each step (``trainer.lora.sync=adapter``) instead of merged weights."""
-    return cfg.trainer.lora.rank > 0 and cfg.trainer.lora.sync == "adapter"
 
 
 def host_memory(cfg: R3RLConfig, trainer_dtype: str, engine_weights: int, load_format: str | None = None

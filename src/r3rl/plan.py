@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r3rl import memory
-from r3rl.config.lora import adapter_slots, engine_lora_rank
+from r3rl.config.lora import adapter_slots, adapter_sync, engine_lora_rank
 from r3rl.config.modes import engine_concurrency, replay_mode, resolve_dtype
 from r3rl.config.schema import R3RLConfig
 from r3rl.placement import Placement, place
@@ -136,7 +136,7 @@ def weight_sync_backend(cfg: R3RLConfig) -> str:
     """``rollout.weight_sync.backend`` resolved: ``adapter`` for a LoRA run with ``trainer.lora.sync=adapter`` (the
     engines load the adapters alone; no weight moves), else ``auto`` -> disk for an attached engine (not started with
     our transfer config), r3rl_gloo on the CPU profile, ipc when engines share the trainer's GPUs, nccl otherwise."""
-    if memory.adapter_sync(cfg):
+    if adapter_sync(cfg):
         return "adapter"
     backend = cfg.rollout.weight_sync.backend
     if backend != "auto":

@@ -38,6 +38,11 @@ ADAPTER_SYNC_ON_CPU = (
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def adapter_sync(cfg: R3RLConfig) -> bool:
+    """The engines serve LoRA adapters loaded each step (``trainer.lora.sync=adapter``) instead of merged weights."""
+    return cfg.trainer.lora.rank > 0 and cfg.trainer.lora.sync == "adapter"
+
+
 def adapter_slots(cfg: R3RLConfig) -> int:
     """Adapters an engine holds at once under ``sync=adapter`` (--max-loras): this step's, and one more for each
     step a batch may be generated ahead of the trainer (its requests name the adapter they were sent with)."""
