@@ -23,7 +23,7 @@ from pathlib import Path
 from hydra.errors import HydraException
 from rich.console import Console
 
-from r3rl.config import ConfigError, compose, register_configs
+from r3rl.config import ConfigError, compose, hydra_error, register_configs
 from r3rl.config.modes import replay_mode
 from r3rl.config.schema import freeze
 from r3rl.doctor.slice import with_slice
@@ -83,8 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     register_configs()
     try:
         cfg = doctor_config(args, cut=cut)
-    except (ConfigError, HydraException) as err:  # a refused config or an override Hydra cannot apply
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except HydraException as err:  # an override Hydra cannot apply, refused as run.py refuses it
+        print(f"error: {hydra_error(err)}", file=sys.stderr)
         return 2
     from r3rl.doctor.report import write
     from recipes.doctor import run_doctor

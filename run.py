@@ -17,7 +17,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from r3rl.config import ConfigError, compose, load_config, register_configs
+from r3rl.config import ConfigError, compose, load_config, register_configs, with_named_files
 from r3rl.preflight import preflight
 from r3rl.platform import with_default_parallelism
 
@@ -48,8 +48,11 @@ def settle_before_start(argv: list[str]) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except HydraException:
-        return  # Hydra's app reports a bad override or group itself, before it writes anything
+    except HydraException as err:  # a misspelt key, an option that does not exist: refused like any config
+        from r3rl.config import hydra_error
+
+        print(f"error: {hydra_error(err)}", file=sys.stderr)
+        sys.exit(2)
     if cfg.run.dry_run:
         dry_run(cfg)
         sys.exit(0)
@@ -82,10 +85,12 @@ def launch(cfg) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(raw: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from r3rl.launch import dry_run
 
     try:
-        cfg = preflight(load_config(raw), launching=not raw.run.dry_run)
+        cfg = preflight(load_config(raw, HydraConfig.get().overrides.task), launching=not raw.run.dry_run)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -97,6 +102,7 @@ def main(raw: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
-    sys.argv = sys.argv[:1] + with_default_parallelism(sys.argv[1:])
+    # a file named on the command line is the user's own: its generation goes off there (r3rl.config.intent)
+    sys.argv = sys.argv[:1] + with_named_files(with_default_parallelism(sys.argv[1:]))
     settle_before_start(sys.argv)
     main()

@@ -15,17 +15,26 @@ from r3rl.placement import PlacementError
 from r3rl.plan import build_plan, describe
 
 
+def served(cfg: R3RLConfig) -> R3RLConfig:
+    """``cfg`` as its recipe will start it: from the SFT warm start's export when one runs first (the checkpoint
+    the trainer loads and the engines serve with ``--model``)."""
+    from r3rl import warm_start
+
+    return warm_start.started(cfg) if warm_start.applies(cfg) else cfg
+
+
 def dry_run(cfg: R3RLConfig) -> None:
+    from r3rl import warm_start
     from r3rl.preflight import resumed_checkpoint_format
 
     try:
-        plan = build_plan(cfg, resume_format=resumed_checkpoint_format(cfg))
+        plan = build_plan(served(cfg), resume_format=resumed_checkpoint_format(cfg))
     except PlacementError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     # one line per engine command, never folded: users copy it into a shell, tests grep it
-    text = yaml.safe_dump(OmegaConf.to_container(OmegaConf.create(describe(cfg, plan))), sort_keys=False,
-                          width=1 << 20)
+    described = {"warm_start": warm_start.describe(cfg), **describe(served(cfg), plan)}
+    text = yaml.safe_dump(OmegaConf.to_container(OmegaConf.create(described)), sort_keys=False, width=1 << 20)
     console = Console(width=200)
     console.rule(f"[bold]launch plan: {cfg.run.name}[/] (dry run: nothing started)")
     console.print(Syntax(text, "yaml", theme="ansi_dark"), soft_wrap=True)

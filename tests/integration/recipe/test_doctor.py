@@ -109,7 +109,8 @@ def test_an_attached_engine_serving_another_models_routes_fails_check_three(tmp_
     from r3rl.plan import build_plan
     from r3rl.rollout.engine import VLLMEngine
 
-    other = compose_cfg("parallelism=cpu", "model.init_seed=1", f"model.checkpoint={tmp_path / 'other_model'}")
+    other = compose_cfg("parallelism=cpu", "model.init_seed=1", f"model.checkpoint={tmp_path / 'other_model'}",
+                        "model.generate_if_missing=true")
     ensure_checkpoint(other.model)
     engine = VLLMEngine.launch(build_plan(other).engines[0], tmp_path / "engine-logs",
                                other.rollout.engine.startup_timeout_s)

@@ -26,7 +26,7 @@ SFT_RUN = ("recipe=sft", "run.num_steps=3", "run.eval_every=3", "run.save_every=
 def sft_run(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("sft_run")
     data = run_dir.parent / "sft_data.jsonl"
-    out = run_recipe(run_dir, *SFT_RUN, f"data.path={data}", "data.num_generated_prompts=64")
+    out = run_recipe(run_dir, *SFT_RUN, f"data.path={data}", "data.generate_if_missing=true", "data.num_generated_prompts=64")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return run_dir, out.stdout, data
 
@@ -65,8 +65,8 @@ def test_sft_run_logs_loss_and_eval_points_and_writes_an_hf_checkpoint(sft_run):
 
 
 def test_a_grpo_run_takes_the_sft_checkpoint_and_it_holds_the_trained_weights(sft_run, tiny_model_dir):
-    """Fails if the exported folder is refused as model.checkpoint by a GRPO config, regenerated or replaced by the
-    random tiny model when GRPO prepares it, or if it does not hold the trained weights (the training responses
+    """Fails if the exported folder is refused as model.checkpoint by a GRPO config, warm-started again, regenerated
+    or replaced by the random tiny model when GRPO prepares it, or if it does not hold the trained weights (the training responses
     must be likelier under it than under the model SFT started from)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,7 +79,8 @@ def test_a_grpo_run_takes_the_sft_checkpoint_and_it_holds_the_trained_weights(sf
     hf = run_dir / "hf"
     files = {p.name: p.stat().st_mtime_ns for p in hf.iterdir()}
     cfg = compose(["parallelism=cpu", f"model.checkpoint={hf}"])  # validation passes
-    assert cfg.recipe.name == "grpo" and cfg.model.checkpoint == str(hf)
+    # GRPO starts from the user's SFT weights, not from a new warm start of them (issue 69)
+    assert cfg.recipe.name == "grpo" and cfg.model.checkpoint == str(hf) and not cfg.warm_start.enabled
     assert ensure_checkpoint(cfg.model) == hf
     assert {p.name: p.stat().st_mtime_ns for p in hf.iterdir()} == files, "the export was rewritten"
 
@@ -107,7 +108,7 @@ def test_a_finished_sft_run_continues_from_its_checkpoint_in_the_same_wandb_run(
     """Fails if the SFT recipe does not resume (step, data position, W&B run id), or if a run without eval points
     still starts an engine. Runs after the tests above: it extends their run."""
     run_dir, _, data = sft_run
-    out = run_recipe(run_dir, *SFT_RUN, f"data.path={data}", "data.num_generated_prompts=64", "run.num_steps=4",
+    out = run_recipe(run_dir, *SFT_RUN, f"data.path={data}", "data.generate_if_missing=true", "data.num_generated_prompts=64", "run.num_steps=4",
                      "run.eval_every=0")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resumed from step 3" in out.stdout

@@ -159,7 +159,7 @@ def test_glm_air_attention_without_qk_norms_matches_transformers(tmp_path):
     from r3rl.config import compose
 
     cfg = compose([*GLM, "model.qk_norm=false", "model.routed_scaling_factor=1.0", "model.init_seed=1",
-                   f"model.checkpoint={tmp_path / 'air'}"])
+                   f"model.checkpoint={tmp_path / 'air'}", "model.generate_if_missing=true"])
     assert_matches_transformers(cfg, lambda trainer: not trainer.bare.config.qk_layernorm)
 
 
@@ -236,7 +236,7 @@ def test_moonlight_mla_without_a_query_latent_matches_transformers(tmp_path):
     from r3rl.train.trainer import MegatronTrainer
 
     cfg = compose([*DEEPSEEK, "model.q_lora_rank=null", "model.router_num_groups=1", "model.router_group_topk=1",
-                   "model.init_seed=2", f"model.checkpoint={tmp_path / 'moonlight'}"])
+                   "model.init_seed=2", f"model.checkpoint={tmp_path / 'moonlight'}", "model.generate_if_missing=true"])
     if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None:
         from r3rl.train.model import MLA_WITHOUT_Q_LATENT
 

@@ -120,7 +120,7 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_resumes_exactly_and_refuses_
         with pytest.raises(ValueError, match=r"saved with trainer.lora rank=4.*this run has"):
             trainer.load_checkpoint(saved)
     other_base = new_trainer(*LORA, "algorithm.global_batch_size=4", "model.init_seed=1",
-                             f"model.checkpoint={tmp_path / 'other_base'}")
+                             f"model.checkpoint={tmp_path / 'other_base'}", "model.generate_if_missing=true")
     with pytest.raises(ValueError, match=r"trained on another base model"):
         other_base.load_checkpoint(saved)
 

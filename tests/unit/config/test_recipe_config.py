@@ -39,7 +39,8 @@ def test_data_on_the_command_line_wins_and_a_prompt_file_without_responses_is_re
     after every process started."""
     from r3rl.data.arithmetic import ensure_prompts
 
-    cfg = compose(["parallelism=cpu", "data=arithmetic", f"data.path={tmp_path / 'prompts.jsonl'}"])
+    cfg = compose(["parallelism=cpu", "data=arithmetic", f"data.path={tmp_path / 'prompts.jsonl'}",
+                   "data.generate_if_missing=true"])
     ensure_prompts(cfg.data)
     assert problem_keys(["recipe=sft", "data=arithmetic", f"data.path={cfg.data.path}"]) == ["data.path"]
     sft_file = tmp_path / "sft.jsonl"
@@ -117,7 +118,9 @@ def test_a_foreign_checkpoint_of_another_shape_is_refused_naming_model_checkpoin
         compose(["parallelism=cpu", run, f"model.checkpoint={folder}", "model.num_layers=2"])
     ((key, reason),) = info.value.problems
     assert key == "model.checkpoint" and "num_hidden_layers=4 but model.num_layers=2" in reason
-    compose(["parallelism=cpu", run, f"model.checkpoint={tiny_model_dir}", "model.num_layers=2"])
+    # named on the command line it is the user's, unless generation is asked for with it (r3rl.config.intent)
+    compose(["parallelism=cpu", run, f"model.checkpoint={tiny_model_dir}", "model.num_layers=2",
+             "model.generate_if_missing=true"])
 
 
 def test_a_checkpoint_of_another_family_or_with_dense_layers_is_refused_before_launch(tmp_path, tiny_model_dir):

@@ -26,7 +26,7 @@ def tokenizer(tiny_model_dir):
 def sft_data(tmp_path):
     from r3rl.preflight import compose
 
-    cfg = compose(["parallelism=cpu", "recipe=sft", f"data.path={tmp_path / 'sft.jsonl'}",
+    cfg = compose(["parallelism=cpu", "recipe=sft", f"data.path={tmp_path / 'sft.jsonl'}", "data.generate_if_missing=true",
                    "data.num_generated_prompts=300"])
     return cfg.data
 

@@ -28,7 +28,7 @@ def sft_cfg(tmp_path_factory):
     from r3rl.config import compose
 
     data = tmp_path_factory.mktemp("sft_data") / "arithmetic_sft.jsonl"
-    return compose([*OVERRIDES, f"data.path={data}", "data.num_generated_prompts=32"])
+    return compose([*OVERRIDES, f"data.path={data}", "data.generate_if_missing=true", "data.num_generated_prompts=32"])
 
 
 @pytest.fixture(scope="module")
