@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from r3rl.config.schema import DataConfig
-from r3rl.data.formats import (FORMATS, MISSING, DataError, detect_format, jsonl_objects, lookup,
+from r3rl.data.formats import (FORMATS, MISSING, DataError, detect_format, jsonl_objects, label_text, lookup,
                                missing_prompts_message, records, table_value, where)
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,7 @@ def read_prompt_rows(path: str | Path, pkey: str, lkey: str, config_key: str = "
                     f"{here}: no key '{key}' ({cfg_key}={key}); the {'line' if fmt == 'jsonl' else 'row'} has "
                     f"{sorted(obj)}. Set {cfg_key} to the key that holds it."
                 )
-        label = lookup(obj, lkey)
-        if isinstance(label, (dict, list)) or label is None:
-            got = "null" if label is None else type(label).__name__
-            raise DataError(f"{here}: '{lkey}' must be a string or a number, got {got} "
-                            f"({config_key}.label_key={lkey})")
-        label = str(label)
-        if not label.strip():
-            raise DataError(f"{here}: '{lkey}' is empty ({config_key}.label_key={lkey})")
+        label = label_text(lookup(obj, lkey), here, lkey, config_key)
         prompt = lookup(obj, pkey)
         if fmt != "jsonl":
             prompt = table_value(prompt)

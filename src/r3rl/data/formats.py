@@ -18,6 +18,7 @@ column (or object, in JSONL); a column whose name holds the dot itself is taken 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -81,31 +82,60 @@ def lookup(record: dict[str, Any], key: str) -> Any:
     return value
 
 
-def jsonl_objects(path: str | Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
+def jsonl_objects(path: str | Path, config_key: str = "data") -> Iterator[tuple[int, str, dict[str, Any]]]:
     """(line number, ``file:line``, object) of every non-blank line of a JSONL file; a line that is not UTF-8, not
     JSON, not an object, or JSON Python cannot hold (an integer past its int-string limit, nesting past its
-    recursion limit) raises DataError naming it."""
-    with Path(path).open("rb") as f:
-        for lineno, data in enumerate(f, start=1):
-            here = f"{path}:{lineno}"
-            try:
-                raw = data.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{here}: not UTF-8 (byte {data[e.start]:#04x} at column {e.start + 1}); save the "
-                                "file as UTF-8") from None
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{here}: not valid JSON ({e.msg} at column {e.colno})") from None
-            except ValueError as e:  # an integer of more digits than sys.get_int_max_str_digits()
-                raise DataError(f"{here}: a value r3rl cannot read ({' '.join(str(e).split())})") from None
-            except RecursionError:
-                raise DataError(f"{here}: JSON nested deeper than Python's recursion limit") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{here}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, here, obj
+    recursion limit) raises DataError naming it, and a path that cannot be read (a folder, no permission) names
+    ``<config_key>.path``."""
+    try:
+        with Path(path).open("rb") as f:
+            yield from _jsonl_lines(path, f)
+    except OSError as err:
+        what = "a folder, not a JSONL file" if Path(path).is_dir() else f"cannot be read ({err.strerror or err})"
+        raise DataError(f"{path}: {what}; check {config_key}.path (or {config_key}.format for a parquet file or a "
+                        "save_to_disk folder)") from None
+
+
+def _jsonl_lines(path: str | Path, f) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    for lineno, data in enumerate(f, start=1):
+        here = f"{path}:{lineno}"
+        try:
+            raw = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{here}: not UTF-8 (byte {data[e.start]:#04x} at column {e.start + 1}); save the "
+                            "file as UTF-8") from None
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{here}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:  # an integer of more digits than sys.get_int_max_str_digits()
+            raise DataError(f"{here}: a value r3rl cannot read ({' '.join(str(e).split())})") from None
+        except RecursionError:
+            raise DataError(f"{here}: JSON nested deeper than Python's recursion limit") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{here}: expected a JSON object, got {type(obj).__name__}")
+        yield lineno, here, obj
+
+
+def label_text(value: Any, here: str, key: str, config_key: str = "data", *, optional: bool = False) -> str | None:
+    """A record's reference answer as the text a grader compares with, or DataError naming ``here`` (``file:line``
+    or its row) and the key. Python's JSON reader takes ``NaN``, ``Infinity``, ``1e400`` (read as infinity) and
+    ``true``, and no answer a model writes equals their text: every sample of that prompt would grade 0 and its group
+    carry no advantage, in silence. ``optional``: a missing label is None (SFT records need none)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
+        got = "null" if value is None else json.dumps(value) if isinstance(value, bool) else type(value).__name__
+        raise DataError(f"{here}: '{key}' must be a string or a number, got {got} ({config_key}.label_key={key})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DataError(f"{here}: '{key}' is {value} (JSON's NaN or Infinity, or a number past a float's range), "
+                        f"which no answer can match; write the reference answer ({config_key}.label_key={key})")
+    text = str(value)
+    if not text.strip():
+        raise DataError(f"{here}: '{key}' is empty ({config_key}.label_key={key})")
+    return text
 
 
 def records(path: str | Path, fmt: str, keys: Iterable[tuple[str, str]],
@@ -117,7 +147,7 @@ def records(path: str | Path, fmt: str, keys: Iterable[tuple[str, str]],
     cannot read raises DataError naming it (and for a damaged parquet row group, its rows)."""
     keys = list(keys)
     if fmt == "jsonl":
-        yield from jsonl_objects(path)
+        yield from jsonl_objects(path, config_key)
     elif fmt == "parquet":
         yield from _parquet_records(Path(path), keys, config_key)
     elif fmt == "hf_disk":

@@ -23,6 +23,7 @@ import numpy as np
 
 from r3rl.config.schema import DataConfig
 from r3rl.data.dataset import DataError, PromptDataset, _messages, jsonl_objects
+from r3rl.data.formats import label_text
 from r3rl.data.overlap import user_texts
 from r3rl.sample import Sample, SampleStatus
 
@@ -36,9 +37,8 @@ def read_sft_rows(path: str | Path, cfg: DataConfig, config_key: str = "data") -
     the file, the line and the ``<config_key>.*_key`` to check. Needs no tokenizer (configs are checked before
     launch)."""
     rows: list[Row] = []
-    for lineno, where, obj in jsonl_objects(path):
-        label = obj.get(cfg.label_key)
-        label = None if isinstance(label, (dict, list)) or label is None else str(label)
+    for lineno, where, obj in jsonl_objects(path, config_key):
+        label = label_text(obj.get(cfg.label_key), where, cfg.label_key, config_key, optional=True)
         if cfg.messages_key in obj:
             chat = _messages(obj[cfg.messages_key], where, cfg.messages_key, config_key)
             if isinstance(chat, str) or len(chat) < 2 or chat[-1]["role"] != "assistant":

@@ -124,3 +124,44 @@ def test_a_folder_that_is_no_saved_dataset(tmp_path, layout):
         (folder / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
     with pytest.raises(DataError, match=str(folder)):
         read(folder)
+
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+                         st.text(max_size=20))
+
+
+@FUZZ
+@given(label=st.one_of(JSON_SCALARS, st.lists(JSON_SCALARS, max_size=3),
+                       st.dictionaries(st.text(max_size=5), JSON_SCALARS, max_size=3)))
+def test_any_label_reads_as_text_a_grader_can_match_or_is_refused_naming_its_line(label):
+    """Whatever a record's label holds, reading gives a non-empty text that is no rendering of NaN, infinity or a
+    JSON boolean, or DataError naming the line (issue 69). Fails if a label no answer can equal (NaN, Infinity,
+    1e400, true) reaches a grader again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prompts.jsonl"
+        path.write_text(GOOD + "\n" + json.dumps({"prompt": "x?", "label": label}) + "\n")
+        try:
+            rows = read(path)
+        except DataError as err:
+            assert "prompts.jsonl:2: 'label'" in str(err)
+            return
+    text = rows[1][2]
+    assert text.strip() and text not in ("nan", "inf", "-inf", "True", "False")
+    assert not isinstance(label, bool) and label is not None
+
+
+@FUZZ
+@given(url=st.one_of(st.text(max_size=40), st.builds(lambda h, p: f"http://{h}:{p}", st.text(max_size=12),
+                                                      st.integers(-10, 100_000))))
+def test_any_engine_url_is_accepted_only_when_it_parses_to_a_host_and_port(url):
+    """``rollout.engine.url`` is outside data: any text gives None or a reason, never an exception, and a URL it
+    accepts splits into http(s), a host and a port in range (what the client joins its routes to)."""
+    from urllib.parse import urlsplit
+
+    from r3rl.config.validate import engine_url_problem
+
+    problem = engine_url_problem(url)
+    if problem is None:
+        parts = urlsplit(url)
+        assert parts.scheme in ("http", "https") and parts.hostname and (parts.port is None or 1 <= parts.port <= 65535)
+        assert not any(ch.isspace() for ch in url)
