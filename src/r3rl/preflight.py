@@ -281,16 +281,7 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     engine_dtype = resolve_dtype(cfg.rollout.engine.dtype, device)
     short = memory.in_flight_kv_shortfall(cfg, engine_dtype, plan)
     if short is not None:
-        need, holds = short
-        key = "rollout.engine.kv_cache_memory_bytes" if cfg.rollout.engine.kv_cache_memory_bytes is not None \
-            else memory.engine_memory_share_key(cfg)
-        problems.append((key, f"in_flight weight updates: {memory.in_flight_sequences(cfg)} sequences in flight on "
-                              f"an engine can grow to {need} tokens of KV cache, which holds ~{holds}: vLLM would "
-                              "preempt and recompute requests, and one resumed after an update is recomputed by "
-                              "newer weights than the routes the trainer replays; raise it, or lower "
-                              "rollout.engine.max_num_seqs or "
-                              + ("algorithm.group_buffer" if cfg.algorithm.group_intake == "completion" else
-                                 "rollout.engine.max_concurrency")))
+        problems.append(in_flight_kv_problem(cfg, engine_dtype, *short))
     if not memory.engine_weights_fit(cfg, plan):
         problems.append((memory.engine_memory_share_key(cfg),
                          f"{memory.engine_memory_share(cfg)} of {cfg.parallelism.gpu_memory_gib} GiB does "
@@ -315,6 +306,35 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
                             if resume_is_larger else
                             "change " + "; ".join(memory.host_fixes(cfg)))))
     return problems
+
+
+def in_flight_kv_problem(cfg: R3RLConfig, engine_dtype: str, need: int, holds: int) -> tuple[str, str]:
+    """The refusal of in-flight sequences that outgrow an engine's KV cache, leading with the fix that works: the
+    ``max_num_seqs`` whose longest contexts the cache holds, then a larger cache where one can be had (no share of
+    a GPU covers a cache it would take more than the whole GPU to hold)."""
+    from r3rl import memory
+
+    eng, sequences = cfg.rollout.engine, memory.in_flight_sequences(cfg)
+    length = -(-need // sequences)
+    fits = holds // length
+    fixes = [f"set rollout.engine.max_num_seqs={fits} (the sequences of {length} tokens the cache holds)"] \
+        if fits >= 1 else []
+    if eng.kv_cache_memory_bytes is not None:
+        key = "rollout.engine.kv_cache_memory_bytes"
+        fixes.append(f"raise {key} to {need * memory.kv_bytes_per_token(cfg, engine_dtype)}")
+    else:
+        key = memory.engine_memory_share_key(cfg)
+        share = memory.engine_memory_share(cfg)
+        # the KV cache is what the share leaves after the weights: scale that part, not the whole share
+        wanted = share * need / max(holds, 1)
+        fixes.append(f"raise {key} to {wanted:.2f}" if wanted <= 0.95 else
+                     f"no {key} covers it ({wanted:.2f} of a GPU would be needed)")
+    fixes.append("lower " + ("algorithm.group_buffer" if cfg.algorithm.group_intake == "completion" else
+                             "rollout.engine.max_concurrency"))
+    return key, (f"in_flight weight updates: {sequences} sequences in flight on an engine can grow to {need} tokens "
+                 f"of KV cache, which holds ~{holds}: vLLM would preempt and recompute requests, and one resumed "
+                 "after an update is recomputed by newer weights than the routes the trainer replays; "
+                 + "; or ".join(fixes))
 
 
 def disk_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:

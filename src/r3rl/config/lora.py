@@ -64,6 +64,14 @@ def lora_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
 
     check(lora.rank >= 0, "rank", f"must be >= 0 (0: off), got {lora.rank}")
     if lora.rank <= 0:
+        # rank 0 is full-parameter training: a router target, the adapter sync or dropout set beside it would be
+        # ignored in silence, and the run not be the one asked for
+        default = vars(LoRAConfig())
+        unused = {f"trainer.lora.{k}={v}" for k, v in vars(lora).items()
+                  if k != "rank" and k in default and type(default[k])(v) != default[k]}
+        check(lora.rank < 0 or not unused, "rank", f"is {lora.rank} (LoRA off, full-parameter training), which "
+              f"ignores {', '.join(sorted(unused))}: set trainer.lora.rank > 0 (8 is a common start) to train "
+              "adapters, or drop those keys")
         return problems
     smallest = min(cfg.model.hidden_size, cfg.model.moe_ffn_hidden_size)
     check(lora.rank < smallest, "rank", f"must be below the narrowest adapted width (hidden_size, "

@@ -40,6 +40,30 @@ class ConfigError(ValueError):
         super().__init__(f"invalid config ({len(problems)} problem(s)):\n{lines}")
 
 
+def schema_keys(schema: type = R3RLConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (its groups too), for the "did you mean" of a misspelt one."""
+    keys: list[str] = []
+    for name, hint in typing.get_type_hints(schema).items():
+        if name.startswith("_"):
+            continue
+        keys.append(f"{prefix}{name}")
+        if is_dataclass(hint):
+            keys.extend(schema_keys(hint, f"{prefix}{name}."))
+    return keys
+
+
+def near(word: str, choices: list[str]) -> str:
+    """`` (did you mean X?)`` for the closest of ``choices`` to a misspelt ``word``, or nothing."""
+    import difflib
+
+    # the last part weighs most: run.num_step is run.num_steps, not rollout.num_engines
+    head, _, last = word.rpartition(".")
+    same_head = [c for c in choices if c.rpartition(".")[0] == head]
+    match = difflib.get_close_matches(word, same_head, n=1, cutoff=0.6) or \
+        difflib.get_close_matches(word, choices, n=1, cutoff=0.75)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
 def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:
     """Keys present in the composed config but absent from the schema (``+key=`` slips past Hydra's struct check)."""
     hints = typing.get_type_hints(schema)
@@ -111,13 +135,54 @@ def route_block_bytes(model, device: str) -> int:
     return _KV_BLOCK_TOKENS[device] * model.num_layers * model.moe_topk * (1 if model.num_experts <= 256 else 2)
 
 
+def engine_url_problem(url: str | None) -> str | None:
+    """What is wrong with an attached engine's address (``rollout.engine.url``), or None: the client joins routes
+    such as ``/inference/v1/generate`` to it, so it is a scheme, a host and a port, nothing more."""
+    from urllib.parse import urlsplit
+
+    if url is None:
+        return None
+    if url != url.strip() or any(ch.isspace() for ch in url):
+        return "it holds whitespace"
+    try:
+        parts = urlsplit(url)
+    except ValueError as err:  # an unclosed IPv6 bracket
+        return str(err)
+    if parts.scheme not in ("http", "https"):
+        return f"the scheme must be http or https, not {parts.scheme or 'missing'!r}"
+    if not parts.hostname:
+        return "it names no host"
+    try:
+        port = parts.port
+    except ValueError:
+        return f"the port {parts.netloc.rpartition(':')[2]!r} is not in 1-65535"
+    if port == 0:
+        return "the port 0 is not in 1-65535"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return (f"it holds {parts.path + ('?' + parts.query if parts.query else '')!r} after the host: give the "
+                "server's root, r3rl adds the routes")
+    if parts.username or parts.password:
+        return "it holds credentials: r3rl sends the engine token from R3RL_ENGINE_TOKEN, never in the URL"
+    return None
+
+
 def validate(cfg: R3RLConfig) -> None:
     """Raise ConfigError naming every key at fault."""
     problems: list[tuple[str, str]] = []
 
-    def check(ok: Any, key: str, reason: str) -> None:
-        if not ok:
-            problems.append((key, reason))
+    def check(ok: Any, key: str, reason: str, needs: tuple[str, ...] = ()) -> None:
+        """``needs``: keys the rule reads that may themselves be at fault; a rule over an invalid key is skipped, so
+        a bad value is reported once, not again as the fault of every key computed from it."""
+        if ok or any(k == n for k, _ in problems for n in needs):
+            return
+        if reason.startswith("must be") and "got" not in reason:  # the value it got, wherever a rule left it out
+            try:
+                value = _dotted(cfg, key)
+            except AttributeError:
+                value = ...
+            if value is None or isinstance(value, (int, float, str)):
+                reason = f"{reason}, got {value!r}"
+        problems.append((key, reason))
 
     m, par, ro, tr, alg = cfg.model, cfg.parallelism, cfg.rollout, cfg.trainer, cfg.algorithm
     tp, pp, ep, cp, etp = (par.trainer.tensor_parallel, par.trainer.pipeline_parallel, par.trainer.expert_parallel,
@@ -287,8 +352,8 @@ def validate(cfg: R3RLConfig) -> None:
     check(ro.engine.dtype in DTYPES, "rollout.engine.dtype", f"must be one of {DTYPES}, got {ro.engine.dtype!r}")
     check(ro.engine.url is None or par.rollout.num_engines == 1, "rollout.engine.url",
           f"attaches to one server, but parallelism.rollout.num_engines={par.rollout.num_engines}")
-    check(ro.engine.url is None or ro.engine.url.startswith(("http://", "https://")), "rollout.engine.url",
-          f"must look like http://HOST:PORT, got {ro.engine.url!r}")
+    url_problem = engine_url_problem(ro.engine.url)
+    check(url_problem is None, "rollout.engine.url", f"must be http://HOST:PORT, got {ro.engine.url!r}: {url_problem}")
     check(ro.engine.base_port is None
           or (1024 <= ro.engine.base_port and ro.engine.base_port + par.rollout.num_engines <= 65535),
           "rollout.engine.base_port",
@@ -336,10 +401,13 @@ def validate(cfg: R3RLConfig) -> None:
     check(0 < ro.sampling.top_p <= 1, "rollout.sampling.top_p", f"must be in (0, 1], got {ro.sampling.top_p}")
     check(ro.sampling.max_tokens >= 1, "rollout.sampling.max_tokens", "must be >= 1")
     check(0 <= ro.sampling.min_tokens <= ro.sampling.max_tokens, "rollout.sampling.min_tokens",
-          f"must be in [0, rollout.sampling.max_tokens={ro.sampling.max_tokens}], got {ro.sampling.min_tokens}")
+          f"must be in [0, rollout.sampling.max_tokens={ro.sampling.max_tokens}], got {ro.sampling.min_tokens}",
+          needs=("rollout.sampling.max_tokens",))
+    check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
     need = cfg.data.max_prompt_length + ro.sampling.max_tokens
     check(need <= ro.engine.max_model_len, "rollout.engine.max_model_len",
-          f"data.max_prompt_length + rollout.sampling.max_tokens = {need} exceeds max_model_len={ro.engine.max_model_len}")
+          f"data.max_prompt_length + rollout.sampling.max_tokens = {need} exceeds max_model_len={ro.engine.max_model_len}",
+          needs=("data.max_prompt_length", "rollout.sampling.max_tokens"))
     check(ro.engine.max_model_len <= m.max_position_embeddings, "rollout.engine.max_model_len",
           f"{ro.engine.max_model_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
 
@@ -388,7 +456,7 @@ def validate(cfg: R3RLConfig) -> None:
     check(math.isfinite(tr.lr) and tr.lr > 0, "trainer.lr", f"must be finite and > 0, got {tr.lr}")
     # below 0 the cosine's tail would climb the loss (gradient ascent); above the lr it would rise as it "decays"
     check(math.isfinite(tr.min_lr) and 0 <= tr.min_lr <= max(tr.lr, 0), "trainer.min_lr",
-          f"must be in [0, trainer.lr={tr.lr}], got {tr.min_lr}")
+          f"must be in [0, trainer.lr={tr.lr}], got {tr.min_lr}", needs=("trainer.lr",))
     check(tr.max_tokens_per_micro_batch is None or tr.max_tokens_per_micro_batch >= 1,
           "trainer.max_tokens_per_micro_batch", f"must be null or >= 1, got {tr.max_tokens_per_micro_batch}")
     check(tr.max_tokens_per_micro_batch is None or pp == 1, "trainer.max_tokens_per_micro_batch",
@@ -408,12 +476,13 @@ def validate(cfg: R3RLConfig) -> None:
     check(alg.n_samples_per_prompt >= 2, "algorithm.n_samples_per_prompt",
           f"GRPO normalises rewards within a group and needs >= 2 samples per prompt, got {alg.n_samples_per_prompt}")
     check(alg.rollout_batch_size >= 1, "algorithm.rollout_batch_size", "must be >= 1")
+    batch_keys = ("algorithm.rollout_batch_size", "algorithm.n_samples_per_prompt", "trainer.micro_batch_size")
     check(alg.global_batch_size >= 1 and samples % max(alg.global_batch_size, 1) == 0, "algorithm.global_batch_size",
           f"must divide the samples per step rollout_batch_size x n_samples_per_prompt = {samples}, "
-          f"got {alg.global_batch_size}")
+          f"got {alg.global_batch_size}", needs=batch_keys)
     check(alg.global_batch_size % (tr.micro_batch_size * dp) == 0, "algorithm.global_batch_size",
           f"must be a multiple of trainer.micro_batch_size x data parallel = {tr.micro_batch_size} x {dp}, "
-          f"got {alg.global_batch_size}")
+          f"got {alg.global_batch_size}", needs=(*batch_keys, "algorithm.global_batch_size"))
     check(0 <= alg.clip_eps_low < 1, "algorithm.clip_eps_low", f"must be in [0, 1), got {alg.clip_eps_low}")
     check(alg.clip_eps_high >= 0, "algorithm.clip_eps_high", f"must be >= 0, got {alg.clip_eps_high}")
     check(alg.loss in LOSS_NAMES, "algorithm.loss", f"must be one of {LOSS_NAMES}, got {alg.loss!r}")
@@ -427,7 +496,8 @@ def validate(cfg: R3RLConfig) -> None:
     check(alg.max_generation_rounds >= 1, "algorithm.max_generation_rounds",
           f"must be >= 1, got {alg.max_generation_rounds}")
     check(0 <= alg.overlong_buffer < ro.sampling.max_tokens, "algorithm.overlong_buffer",
-          f"must be in [0, rollout.sampling.max_tokens={ro.sampling.max_tokens}), got {alg.overlong_buffer}")
+          f"must be in [0, rollout.sampling.max_tokens={ro.sampling.max_tokens}), got {alg.overlong_buffer}",
+          needs=("rollout.sampling.max_tokens",))
     check(alg.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor",
           f"must be >= 0, got {alg.overlong_penalty_factor}")
     check(alg.max_staleness >= 0, "algorithm.max_staleness", f"must be >= 0, got {alg.max_staleness}")
@@ -470,7 +540,7 @@ def validate(cfg: R3RLConfig) -> None:
           f"must be 0 ((max_staleness + 1) x rollout_batch_size = "
           f"{(alg.max_staleness + 1) * alg.rollout_batch_size}) or above "
           f"algorithm.rollout_batch_size={alg.rollout_batch_size} (a step would wait for its slowest group), "
-          f"got {alg.group_buffer}")
+          f"got {alg.group_buffer}", needs=("algorithm.rollout_batch_size",))
     # seq_mask_tis's band on a sequence's geometric-mean ratio (NeMo-RL's [0.999, 1.002]) is sized for the engine
     # mismatch alone: one step of policy lag moves most sequences out of it, and the step trains on nearly nothing
     check(alg.max_staleness == 0 or cfg.correction.name != "seq_mask_tis", "correction",
@@ -485,7 +555,7 @@ def validate(cfg: R3RLConfig) -> None:
         sft = cfg.sft
         check(sft.batch_size >= 1 and sft.batch_size % (tr.micro_batch_size * dp) == 0, "sft.batch_size",
               f"must be a positive multiple of trainer.micro_batch_size x data parallel = {tr.micro_batch_size} x "
-              f"{dp}, got {sft.batch_size}")
+              f"{dp}, got {sft.batch_size}", needs=("trainer.micro_batch_size",))
         check(bool(sft.export_dir), "sft.export_dir", "must name the folder the HF checkpoint is written to")
 
     ws = cfg.warm_start
@@ -499,11 +569,10 @@ def validate(cfg: R3RLConfig) -> None:
               f"num_steps and num_examples must be >= 1, got {ws.num_steps} and {ws.num_examples}")
         check(ws.batch_size >= 1 and ws.batch_size % (tr.micro_batch_size * dp) == 0, "warm_start.batch_size",
               f"must be a positive multiple of trainer.micro_batch_size x data parallel = {tr.micro_batch_size} x "
-              f"{dp}, got {ws.batch_size}")
+              f"{dp}, got {ws.batch_size}", needs=("trainer.micro_batch_size",))
         check(ws.lr > 0, "warm_start.lr", f"must be > 0, got {ws.lr}")
 
     # data, logger, run
-    check(cfg.data.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
     check(cfg.data.split in ("all", TRAIN_SPLIT) or cfg.data.split in SPLIT_NAMES, "data.split",
           f"must be all, {TRAIN_SPLIT} or one of {sorted(SPLIT_NAMES)}, got {cfg.data.split!r}")
     check(bool(cfg.data.ops) and set(cfg.data.ops) <= set("+-*"), "data.ops",

@@ -35,10 +35,13 @@ def test_a_bad_lora_setting_is_refused_naming_its_key(overrides, key, words):
     assert any(k == key and words in reason for k, reason in info.value.problems), info.value.problems
 
 
-def test_lora_off_ignores_its_other_settings_and_the_defaults_pass():
-    """rank 0 is full-parameter training whatever the other keys say; rank 8 with the defaults (attention and
-    experts, per-expert adapters, merged sync) passes. Fails if an unused LoRA key refused a full-parameter run."""
-    assert compose([CPU, "trainer.lora.dropout=0.5"]).trainer.lora.rank == 0
+def test_lora_off_refuses_its_other_settings_and_the_defaults_pass():
+    """rank 0 is full-parameter training: another LoRA key beside it would be ignored in silence, so it is refused
+    naming the key (issue 69); rank 8 with the defaults (attention and experts, per-expert adapters, merged sync)
+    passes. Fails if an unused LoRA key passes beside rank 0, or the defaults are refused."""
+    with pytest.raises(ConfigError, match=r"trainer.lora.rank: is 0 .*ignores trainer.lora.dropout=0.5"):
+        compose([CPU, "trainer.lora.dropout=0.5"])
+    assert compose([CPU]).trainer.lora.rank == 0
     assert compose([CPU, "trainer.lora.rank=8"]).trainer.lora.targets == ["attention", "experts"]
     with pytest.raises(ConfigError, match="trainer.lora.rank: must be >= 0"):
         compose([CPU, "trainer.lora.rank=-1"])
