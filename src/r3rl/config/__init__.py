@@ -12,7 +12,8 @@ from r3rl.config.intent import named_file_problems, with_named_files
 from r3rl.config.schema import R3RLConfig, freeze
 from r3rl.config.validate import ConfigError, near, schema_keys, unknown_keys, validate
 
-__all__ = ["R3RLConfig", "ConfigError", "CONF_DIR", "register_configs", "load_config", "compose", "with_named_files"]
+__all__ = ["R3RLConfig", "ConfigError", "CONF_DIR", "register_configs", "load_config", "compose", "hydra_error",
+           "with_named_files"]
 
 # The repository's conf/ (r3rl is installed editable from the repository).
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
