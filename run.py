@@ -17,7 +17,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from r3rl.config import ConfigError, compose, load_config, register_configs, with_named_files
+from r3rl.config import ConfigError, compose, hydra_error, load_config, register_configs, with_named_files
 from r3rl.preflight import preflight
 from r3rl.platform import with_default_parallelism
 
@@ -49,8 +49,6 @@ def settle_before_start(argv: list[str]) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except HydraException as err:  # a misspelt key, an option that does not exist: refused like any config
-        from r3rl.config import hydra_error
-
         print(f"error: {hydra_error(err)}", file=sys.stderr)
         sys.exit(2)
     if cfg.run.dry_run:

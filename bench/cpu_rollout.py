@@ -1,6 +1,7 @@
 """CPU rollout speed: the real engine against ``transformers``' ``generate`` on the same checkpoint, in one run.
 
     python bench/cpu_rollout.py [--prompts 16] [--samples 8] [--max-tokens 16] [--repeats 5] [override ...]
+    python bench/cpu_rollout.py --write-docs   # ... and the ratio with its machine into the block of docs/benchmarks.md
 
 The engine is the plan's (``rollout=vllm_r3`` by default: routes on, bfloat16, r3rl's CPU environment), started once;
 each timed batch goes through ``RolloutClient`` (HTTP, route decoding and validation included): ``--prompts``
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +43,11 @@ from r3rl.rollout import auth
 from r3rl.plan import build_plan
 from r3rl.rollout.client import RolloutClient
 from r3rl.rollout.engine import VLLMEngine
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))  # the block writer and the machine line of readme_figures
+BEGIN = "<!-- cpu_rollout:begin (written by bench/cpu_rollout.py --write-docs; do not edit) -->"
+END = "<!-- cpu_rollout:end -->"
 
 
 def cpu_identity() -> str:
@@ -125,6 +132,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--write-docs", action="store_true", help="replace the cpu_rollout block in docs/benchmarks.md")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the engine")
     args = parser.parse_args()
     cfg = compose(["model=tiny_moe", "rollout=vllm_r3", f"rollout.engine.base_port={free_port()}", *args.overrides])
@@ -154,7 +162,18 @@ def main() -> None:
           + ", ".join(f"{k}: {v / engine['wall_s']:.2f}" for k, v in engine["cpu_s"].items()) + ")")
     for name, (calls, seconds) in sorted(engine["kernels"].items(), key=lambda kv: -kv[1][1]):
         print(f"    {name}: {calls} launches, {seconds:.3f} s")
-    print(f"engine/hf generate tokens/s ratio: {engine['tok_s'] / hf['tok_s']:.2f}")
+    ratio = engine["tok_s"] / hf["tok_s"]
+    print(f"engine/hf generate tokens/s ratio: {ratio:.2f}")
+    if args.write_docs:
+        if args.overrides or (args.prompts, args.samples, args.max_tokens, args.repeats) != (16, 8, 16, 5):
+            raise SystemExit("--write-docs quotes the default workload: drop the overrides and sizes")
+        from readme_figures import measured, write_block
+
+        block = "\n".join([BEGIN, f"`python bench/cpu_rollout.py --write-docs` ({measured()}; {cpu_identity()}): "
+                                  f"`engine/hf generate tokens/s ratio: {ratio:.2f}`, the engine "
+                                  f"{100 * share:.1f}% of its worker time in Triton's interpreter.", END])
+        write_block(REPO / "docs/benchmarks.md", block, BEGIN, END)
+        print("docs/benchmarks.md: block replaced")
 
 
 if __name__ == "__main__":

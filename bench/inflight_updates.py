@@ -2,6 +2,7 @@
 by side in one invocation, one run after the other on the same machine.
 
     python bench/inflight_updates.py [--steps 10] [--out outputs/inflight] [overrides ...]
+    python bench/inflight_updates.py --steps 8 --write-docs   # ... and the table into the block of docs/async.md
 
 Modes: in turn (``algorithm.max_staleness=0``), one step ahead (``=1``, ``algorithm.weight_update=between_batches``),
 in flight (``=1``, ``in_flight``) and in flight taking groups in completion order (``algorithm.group_intake=
@@ -35,7 +36,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/ lives at the repository root
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # recipes/ lives at the repository root
+sys.path.insert(0, str(REPO / "bench"))  # the block writer and the machine line of readme_figures
+BEGIN = "<!-- inflight_updates:begin (written by bench/inflight_updates.py --write-docs; do not edit) -->"
+END = "<!-- inflight_updates:end -->"
 
 from r3rl import metrics as M  # noqa: E402
 from r3rl.rollout import auth  # noqa: E402
@@ -136,8 +141,12 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="a subset of the modes, comma-separated")
     parser.add_argument("--min-tokens", type=int, default=LONG_TAIL_TOKENS[0])
     parser.add_argument("--max-tokens", type=int, default=LONG_TAIL_TOKENS[1])
+    parser.add_argument("--write-docs", action="store_true", help="replace the inflight_updates block in docs/async.md")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
+    if args.write_docs and (args.overrides or args.modes != ",".join(MODES)
+                            or (args.min_tokens, args.max_tokens) != LONG_TAIL_TOKENS):
+        parser.error("--write-docs quotes the bench as shipped: drop the overrides, --modes and the token bounds")
     if args.steps < 3:
         parser.error("--steps must be >= 3 (step 1 is left out)")
     modes = [m for m in MODES if m in args.modes.split(",")]
@@ -150,8 +159,12 @@ def main() -> None:
     for label in modes:
         table.add_column(label, justify="right")
 
+    markdown = [f"| | {' | '.join(modes)} |", "|---" * (len(modes) + 1) + "|"]
+
     def row(name: str, cell) -> None:
-        table.add_row(name, *(cell(results[label]) for label in modes))
+        cells = [cell(results[label]) for label in modes]
+        table.add_row(name, *cells)
+        markdown.append(f"| {name} | {' | '.join(cells)} |")
 
     base = results[modes[0]]["rate"]
     row(f"trained samples / s, ratio to {modes[0]}", lambda r: f"{r['rate'] / base:.2f}")
@@ -185,8 +198,18 @@ def main() -> None:
     older_no = M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS.format(which="older")
     q = mean(flight["rows"], older) / mean(flight["rows"], older_no)
     s = mean(flight["rows"], M.SPANNING_VERSIONS_SHARE)
-    print(f"inflight: samples/s in-flight / one-step-ahead {flight['rate'] / ahead['rate']:.2f}; "
-          f"spanning samples {s:.2f}; older-version tokens replay/no-replay {q:.2f}")
+    last = (f"inflight: samples/s in-flight / one-step-ahead {flight['rate'] / ahead['rate']:.2f}; "
+            f"spanning samples {s:.2f}; older-version tokens replay/no-replay {q:.2f}")
+    print(last)
+    if args.write_docs:
+        from readme_figures import measured, write_block
+
+        block = "\n".join([BEGIN, f"`python bench/inflight_updates.py --steps {args.steps} --write-docs` ({measured()}); "
+                                  f"rates and means over steps 2-{args.steps}:", "", *markdown, "",
+                                  f"`{last}` (batch intake in flight: "
+                                  f"{results['in flight']['rate'] / ahead['rate']:.2f} over one step ahead)", END])
+        write_block(REPO / "docs/async.md", block, BEGIN, END)
+        print("docs/async.md: block replaced")
 
 if __name__ == "__main__":
     main()

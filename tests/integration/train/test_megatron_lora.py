@@ -115,7 +115,9 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_resumes_exactly_and_refuses_
     base = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
     assert stored < base / 2, (stored, base)
     for other in (("trainer.lora.rank=2",), ()):
-        trainer = new_trainer(*[o for o in LORA if not o.startswith("trainer.lora.rank")], *other,
+        # without LoRA no trainer.lora key stays (one beside rank 0 is refused)
+        trainer = new_trainer(*[o for o in LORA if not o.startswith("trainer.lora." if not other else
+                                                                    "trainer.lora.rank")], *other,
                               "algorithm.global_batch_size=4")
         with pytest.raises(ValueError, match=r"saved with trainer.lora rank=4.*this run has"):
             trainer.load_checkpoint(saved)

@@ -141,3 +141,33 @@ def test_an_engine_url_that_cannot_be_attached_is_refused_before_launch(url, why
         compose_config(["parallelism=cpu", f"rollout.engine.url='{url}'"])
     assert any(key == "rollout.engine.url" and why in reason for key, reason in err.value.problems)
     assert compose_config(["parallelism=cpu", "rollout.engine.url=http://127.0.0.1:8000"]).rollout.engine.url
+
+
+def test_naming_files_is_idempotent_and_never_overrides_what_the_command_line_says():
+    """Hypothesis over command lines (the outside data of run.py): the added overrides are exactly the generations a
+    named file turns off, once, never one the command line sets itself, and a second pass adds nothing. Fails if
+    run.py's rewrite and compose's disagreed (applied twice) or a user's own setting were overridden."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    keys = st.sampled_from(["data.path", "model.checkpoint", "eval.sets.math500.path", "data.generate_if_missing",
+                            "model.generate_if_missing", "warm_start.enabled", "run.num_steps", "data"])
+    override = st.builds(lambda p, k, v: f"{p}{k}={v}", st.sampled_from(["", "+", "++"]), keys,
+                         st.sampled_from(["true", "x", "/p"]))
+
+    @settings(max_examples=200, derandomize=True, database=None)
+    @given(st.lists(override, max_size=6))
+    def check(line):
+        once = with_named_files(line)
+        assert with_named_files(once) == once and once[:len(line)] == line
+        named = {o.split("=", 1)[0].lstrip("+") for o in line}
+        for added in once[len(line):]:
+            key = added.split("=", 1)[0]
+            assert added.endswith("=false") and key not in named
+        expected = {off for key, offs in (("data.path", ["data.generate_if_missing"]),
+                                          ("model.checkpoint", ["model.generate_if_missing", "warm_start.enabled"]),
+                                          ("eval.sets.math500.path", ["eval.sets.math500.generate_if_missing"]))
+                    if key in named for off in offs if off not in named}
+        assert {a.split("=", 1)[0] for a in once[len(line):]} == expected
+
+    check()
