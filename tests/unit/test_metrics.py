@@ -203,3 +203,21 @@ def test_router_metrics_average_layers_and_keep_one_max_vio_per_layer():
     step = M.step_metrics(rollout_logprobs=ROLLOUT, trainer_logprobs=TRAINER, loss_masks=MASKS,
                           router_per_layer=(np.array([0.2, 0.4]), np.array([0.5, 0.0]), np.array([1.0, 3.0])))
     assert step[M.EXPERT_LOAD_MAX_VIO] == pytest.approx(2.0)
+
+
+def test_t_tail_matches_the_tables_and_check_four_states_its_false_alarm_rate():
+    """Student's t survival function against table values (t_{5, 0.95} = 2.015, t_{6, 0.95} = 1.943, Cauchy
+    P(T > 1) = 1/4, P(T > 3 | 7) = 0.00997) and the normal's limit; check 4 states the rate for its prompt count.
+    Fails if the tail were the normal's (0.00135 at 3 whatever the count: a false-alarm rate 7x too small at 8
+    prompts) or an odd or even degree of the series were off."""
+    from r3rl.doctor.checks import replay_exact
+
+    assert M.t_sf(2.015, 5) == pytest.approx(0.05, abs=2e-4) and M.t_sf(1.943, 6) == pytest.approx(0.05, abs=2e-4)
+    assert M.t_sf(1.0, 1) == pytest.approx(0.25) and M.t_sf(0.0, 4) == pytest.approx(0.5)
+    assert M.t_sf(3.0, 7) == pytest.approx(0.00997, abs=1e-5) and M.t_sf(3.0, 2000) == pytest.approx(0.00136, abs=1e-5)
+    prompts = np.repeat(np.arange(8), 4)
+    rng = np.random.default_rng(0)
+    unreplayed = rng.uniform(1e-3, 2e-3, 32)
+    check = replay_exact(0, True, unreplayed - 1e-5, unreplayed, unreplayed + 1.0, prompts, layout="packed")
+    assert check.values["false_alarm_rate"] == pytest.approx(M.t_sf(3.0, 7))
+    assert "at most 1.0% of the time (Student's t, 7 degrees of freedom)" in check.bound

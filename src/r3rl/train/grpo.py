@@ -104,7 +104,8 @@ def sequence_mean_weights(masks: Sequence[np.ndarray], global_batch_size: int) -
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 *, clip_low: float, clip_high: float, ref_logprobs: torch.Tensor | None = None,
                 kl_coef: float = 0.0, is_weights: torch.Tensor | None = None,
-                sequences: torch.Tensor | None = None, num_sequences: int = 0) -> LossTerms:
+                sequences: torch.Tensor | None = None, num_sequences: int = 0,
+                loss_weights: torch.Tensor | None = None) -> LossTerms:
     """PPO-clip surrogate with asymmetric clipping (``1-clip_low``, ``1+clip_high``) plus an optional k3 KL to a
     reference policy, summed over tokens where ``mask`` is set.
 
@@ -113,7 +114,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ``sequences`` (GSPO, ``algorithm.loss=gspo``): the sequence of each position, ids below ``num_sequences``; the
     ratio clipped is then the sequence's (``sequence_log_ratio``) rather than each token's. GSPO's mean over each
     sequence's tokens, then over sequences, comes from the trainer's per-token weights
-    (``sequence_mean_weights``), not from here: this sum is per token."""
+    (``sequence_mean_weights``), passed as ``loss_weights``: they multiply each token's whole loss, the KL term with
+    the policy term, so both are the same mean (verl aggregates its KL loss with the policy loss's
+    ``loss_agg_mode``; a KL left a token mean would weigh long sequences more)."""
     mask = mask.to(logprobs.dtype)
     log_ratio = logprobs - old_logprobs if sequences is None else \
         sequence_log_ratio(logprobs, old_logprobs, mask, sequences, num_sequences)
@@ -130,6 +133,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         delta = ref_logprobs - logprobs
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * kl
+    if loss_weights is not None:
+        weights = loss_weights.detach().to(per_token.dtype)
+        per_token, pg_token, kl = per_token * weights, pg_token * weights, kl * weights
     with torch.no_grad():
         was_clipped = (clipped > unclipped).to(mask.dtype)
     return LossTerms(

@@ -76,7 +76,7 @@ class PolicySteps(LogprobPasses):
                                     ref_logprobs=p.get("ref_logprobs"),
                                     kl_coef=alg.kl_coef if alg.use_kl_loss else 0.0,
                                     is_weights=p.get("is_weights"), sequences=p.get("sequence"),
-                                    num_sequences=len(samples))
+                                    num_sequences=len(samples), loss_weights=p.get("loss_weights"))
 
         self.model.train()
         self.model.zero_grad_buffer()
@@ -142,15 +142,14 @@ class PolicySteps(LogprobPasses):
             per_token["old_logprobs"] = [np.asarray(o, dtype=np.float32) for o in old_logprobs]
         if is_weights is not None:
             per_token["is_weights"] = [np.asarray(w, dtype=np.float32) for w in is_weights]
-        if self.cfg.algorithm.loss == "gspo":  # GSPO averages per sequence, then over sequences
-            seq = grpo.sequence_mean_weights(per_token["loss_mask"],
-                                             mini_batch or self.cfg.algorithm.global_batch_size)
-            own = per_token.get("is_weights")
-            per_token["is_weights"] = seq if own is None else [w * s for w, s in zip(own, seq)]
+        if self.cfg.algorithm.loss == "gspo":  # GSPO averages per sequence, then over sequences: its KL term too
+            per_token["loss_weights"] = grpo.sequence_mean_weights(per_token["loss_mask"],
+                                                                   mini_batch or self.cfg.algorithm.global_batch_size)
         if len(samples) > self.cfg.algorithm.global_batch_size:  # the later mini-batches' drift is measured
             per_token["rollout_logprobs"] = [np.asarray(s.rollout_logprobs, dtype=np.float32) for s in samples]
             per_token["rollout_weight"] = [(m > 0) / max(float((m > 0).sum()), 1.0) for m in per_token["loss_mask"]]
-        for name, values in (("loss_mask", per_token["loss_mask"]), ("is_weights", per_token.get("is_weights"))):
+        for name, values in (("loss_mask", per_token["loss_mask"]), ("is_weights", per_token.get("is_weights")),
+                             ("loss_weights", per_token.get("loss_weights"))):
             bad = [i for i, (v, n) in enumerate(zip(values or [], lengths)) if v.shape != (n,)]
             if bad:
                 raise ValueError(f"{name} of samples {bad[:5]} do not have one value per response token")

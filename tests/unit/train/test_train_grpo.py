@@ -142,3 +142,22 @@ def test_gspo_weights_average_each_sequence_then_the_sequences_of_each_mini_batc
     assert [x.tolist() for x in w] == [[2.0, 2.0], pytest.approx([2 / 3] * 3), [1.0, 1.0], [0.0, 0.0]]
     loss = [np.array([1.0, 0.0]), np.zeros(3)]
     assert sum(float((l * m * x).sum()) for l, m, x in zip(loss, masks, w)) / 4 == pytest.approx(0.5)
+
+
+def test_gspos_kl_term_is_the_same_sequence_mean_as_its_policy_term():
+    """GSPO with ``algorithm.use_kl_loss``: the k3 KL of a short and a long sequence, each weighted as the policy term
+    (``loss_weights``, GSPO's ``sequence_mean_weights``), so the KL in the loss is the mean over sequences of each
+    one's token mean, as verl's KL loss takes the policy loss's ``loss_agg_mode``. Here the short sequence's one token
+    has KL k and the long one's three tokens none: the sequence mean is k/2, the token mean k/4. Fails if the KL
+    stayed a token mean while the policy term was a sequence mean (issue 70: the weights multiplied only the policy
+    term)."""
+    lp = torch.zeros(1, 4)
+    old = lp.clone()
+    ref = torch.tensor([[0.5, 0.0, 0.0, 0.0]])  # KL only on the short sequence's token
+    mask, ids = torch.ones(1, 4), torch.tensor([[0, 1, 1, 1]])
+    weights = torch.from_numpy(np.concatenate(sequence_mean_weights([np.ones(1), np.ones(3)], 2)))[None]
+    terms = policy_loss(lp, old, torch.zeros(1, 4), mask, clip_low=0.2, clip_high=0.2, ref_logprobs=ref, kl_coef=1.0,
+                        sequences=ids, num_sequences=2, loss_weights=weights)
+    k = float(torch.exp(torch.tensor(0.5)) - 0.5 - 1.0)
+    assert float(terms.kl) / float(terms.tokens) == pytest.approx(k / 2)
+    assert float(terms.loss) / float(terms.tokens) == pytest.approx(k / 2)  # no advantage: the loss is the KL
