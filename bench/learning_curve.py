@@ -1,7 +1,7 @@
 """The learning figure: the default learning run with routing replay and without, same seeds, side by side.
 
     python bench/learning_curve.py [--out outputs/learning] [--steps N] [--seeds 1,2] [--data-seeds 7,8] [--docs]
-                                   [override ...]
+                                   [--write-docs] [override ...]
 
 Runs ``python run.py rollout=vllm_r3`` and ``python run.py rollout=vllm`` one after the other (the default CPU
 recipe: SFT warm start, cached and shared by both, then GRPO), each into its own folder under ``--out``, then reads
@@ -13,7 +13,9 @@ problem (``r3rl.eval.records.paired_gain``), or without those records the two po
 independent. It writes the comparison pictures
 (``--out/comparison.png``, every panel, and ``--out/headline.png``, the held-out score and the mismatch, by
 ``r3rl.dashboard``; ``--docs`` copies them to ``docs/learning_curve.png`` and ``docs/headline.png``). Last line:
-``learning: eval avg@k gain <g> (<n> standard errors); R3 <g3>, no replay <g0>``.
+``learning: eval avg@k gain <g> (<n> standard errors); R3 <g3>, no replay <g0>``. ``--write-docs`` (with
+``--data-seeds 7,8`` and nothing else) also writes the eval table and the gain lines, with the machine and date, into
+the ``learning_curve`` block of docs/training.md.
 
 ``--seeds`` adds R3 runs with other ``rollout.sampling.seed`` values, the warm start and held-out set shared: one
 run's standard error counts only the eval's sampling, while another training trajectory moves the gain too, so this
@@ -37,7 +39,12 @@ from r3rl.eval.records import paired_gain, record_path
 from r3rl.tracking.offline_reader import read_run
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))  # the block writer and the machine line of readme_figures
 RUNS = (("R3", "vllm_r3"), ("no replay", "vllm"))
+BEGIN = "<!-- learning_curve:begin (written by bench/learning_curve.py --write-docs; do not edit) -->"
+END = "<!-- learning_curve:end -->"
+# what the docs quote: the two default runs and two R3 runs of other data seeds, each from its own warm start
+DOCS_DATA_SEEDS = "7,8"
 
 
 def eval_keys(row: dict) -> tuple[str, str] | None:
@@ -46,7 +53,8 @@ def eval_keys(row: dict) -> tuple[str, str] | None:
     return None if avg is None else (avg, avg.replace("/avg@", "/pass@"))
 
 
-def summarise(label: str, folder: Path) -> tuple[float, float]:
+def summarise(label: str, folder: Path) -> tuple[float, float, list[tuple], str]:
+    """Print a run's reward and eval points; (gain, its standard error, the eval points, the gain line)."""
     run = read_run(folder)
     print(f"\n{label} ({folder}):")
     print(f"{'step':>5} {'reward mean +- se':>20}")
@@ -79,8 +87,24 @@ def summarise(label: str, folder: Path) -> tuple[float, float]:
         kind = f"paired over prompts, clustered by problem: {problems} problems"
     else:
         se, kind = math.hypot(first[3], last[3]), "the two points' errors combined"
-    print(f"gain {avg_key.split('/')[-1]}: {gain:+.3f} +- {se:.3f} ({kind}; steps {first[0]} -> {last[0]})")
-    return gain, se
+    line = f"gain {avg_key.split('/')[-1]}: {gain:+.3f} +- {se:.3f} ({kind}; steps {first[0]} -> {last[0]})"
+    print(line)
+    return gain, se, points, line
+
+
+def docs_block(summaries: list[tuple[str, tuple]], lines: list[str]) -> str:
+    """The eval table of the two default runs side by side, every run's gain line and the closing lines."""
+    from readme_figures import measured
+
+    (a_label, a), (b_label, b) = summaries[:2]
+    k = a[2][0][-1][0].split("/")[-1].split("@")[1]
+    head = (f"| eval step | {a_label}: avg@{k} | {a_label}: pass@{k} | {b_label}: avg@{k} | {b_label}: pass@{k} |")
+    rows = [f"| {p[0]} | {p[1]:.3f} ± {p[3]:.3f} | {p[2]:.3f} ± {p[4]:.3f} | {q[1]:.3f} ± {q[3]:.3f} | "
+            f"{q[2]:.3f} ± {q[4]:.3f} |" for p, q in zip(a[2], b[2])]
+    gains = [f"{s[3]}      # {label}" for label, s in summaries]
+    return "\n".join([BEGIN, f"`python bench/learning_curve.py --data-seeds {DOCS_DATA_SEEDS} --docs --write-docs` "
+                              f"({measured()}):", "", head, "|---|---|---|---|---|", *rows, "", "```", *gains,
+                       *lines, "```", END])
 
 
 def main() -> None:
@@ -92,8 +116,11 @@ def main() -> None:
                         help="comma-separated data.seed values of more R3 runs, each from its own warm start")
     parser.add_argument("--docs", action="store_true",
                         help="copy the pictures to docs/learning_curve.png and docs/headline.png")
+    parser.add_argument("--write-docs", action="store_true", help="replace the learning_curve block of docs/training.md")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
+    if args.write_docs and (args.overrides or args.steps or args.seeds or args.data_seeds != DOCS_DATA_SEEDS):
+        parser.error(f"--write-docs quotes --data-seeds {DOCS_DATA_SEEDS} as shipped: drop the other options")
     out = Path(args.out).resolve()
     seeds = [int(s) for s in args.seeds.split(",") if s]
     data_seeds = [int(s) for s in args.data_seeds.split(",") if s]
@@ -111,7 +138,7 @@ def main() -> None:
                                       f"rollout.sampling.seed={s}")) for s in seeds]
     more += [(f"data seed {s}", run(f"R3, data seed {s}", out / f"vllm_r3_data{s}", "rollout=vllm_r3",
                                     f"data.seed={s}")) for s in data_seeds]
-    gains = [summarise(label, folder) for (label, _), folder in zip(RUNS, folders)]
+    summaries = [(label, summarise(label, folder)) for (label, _), folder in zip(RUNS, folders)]
     subprocess.run([sys.executable, "-m", "r3rl.dashboard", "--runs", *map(str, folders), "--out", str(out)],
                    cwd=REPO, check=False, stdout=subprocess.DEVNULL)
     print(f"\ncomparison pictures: {out / 'comparison.png'}, {out / 'headline.png'}")
@@ -119,15 +146,25 @@ def main() -> None:
         shutil.copy(out / "comparison.png", REPO / "docs" / "learning_curve.png")
         shutil.copy(out / "headline.png", REPO / "docs" / "headline.png")
         print("docs/learning_curve.png and docs/headline.png: replaced")
-    (g3, se3), (g0, _) = gains
+    (g3, se3, *_), (g0, *_) = (s for _, s in summaries)
+    lines = []
     if more:
-        runs = [("the run above", g3)] + [(name, summarise(f"R3, {name}", f)[0]) for name, f in more]
+        extra = [(f"R3, {name}", summarise(f"R3, {name}", f)) for name, f in more]
+        summaries += extra
+        runs = [("the run above", g3)] + [(name, s[0]) for (name, _), (_, s) in zip(more, extra)]
         values = [g for _, g in runs]
         mean = sum(values) / len(values)
         se = math.sqrt(sum((g - mean) ** 2 for g in values) / (len(values) - 1) / len(values))
-        print(f"\nR3 gain over training trajectories: {', '.join(f'{n} {g:+.3f}' for n, g in runs)}; "
-              f"mean {mean:+.3f} +- {se:.3f} (standard error over the {len(values)} runs)")
-    print(f"learning: eval avg@k gain {g3:.3f} ({g3 / se3:.1f} standard errors); R3 {g3:.3f}, no replay {g0:.3f}")
+        lines.append(f"R3 gain over training trajectories: {', '.join(f'{n} {g:+.3f}' for n, g in runs)}; "
+                     f"mean {mean:+.3f} +- {se:.3f} (standard error over the {len(values)} runs)")
+    lines.append(f"learning: eval avg@k gain {g3:.3f} ({g3 / se3:.1f} standard errors); R3 {g3:.3f}, no replay "
+                 f"{g0:.3f}")
+    print("\n" + "\n".join(lines))
+    if args.write_docs:
+        from readme_figures import write_block
+
+        write_block(REPO / "docs" / "training.md", docs_block(summaries, lines), BEGIN, END)
+        print("docs/training.md: the learning_curve block replaced")
 
 
 if __name__ == "__main__":
