@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both engines")
     args = parser.parse_args()
     rng = np.random.default_rng(0)

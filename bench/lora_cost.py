@@ -82,12 +82,10 @@ def main() -> None:
 
     for _ in range(args.warmup):
         timed("full"), timed("lora")
-    ratios, times = [], {"full": [], "lora": []}
+    ratios = []
     for i in range(args.steps):
         order = ("full", "lora") if i % 2 == 0 else ("lora", "full")
         got = {name: timed(name) for name in order}
-        for name, t in got.items():
-            times[name].append(t)
         ratios.append(got["lora"] / got["full"])
 
     figures = {}
@@ -99,7 +97,6 @@ def main() -> None:
             "gradient buffers (bytes)": sum(p.main_grad.numel() * p.main_grad.element_size() for p in trained),
             "weight sync, merged (bytes)": trainer.weight_stream().total_bytes,
             "adapters alone (bytes)": sum(p.numel() * p.element_size() for _, p in lora.adapter_parameters(trainer.bare)),
-            "step time, median (s)": statistics.median(times[name]),
         }
     print(f"{'':32} {'full':>16} {'lora r' + str(args.rank):>16} {'lora/full':>10}")
     for key in figures["full"]:

@@ -213,3 +213,124 @@ def test_every_generated_block_is_still_written_by_its_script():
                 f"{page.relative_to(REPO)}: block {name} is not written by {script}"
             assert text.count(f"<!-- {name}:end -->") == text.count(f"<!-- {name}:begin"), (page, name)
     assert blocks >= 8
+
+
+QUOTE_BEGIN = re.compile(r"<!-- (\w+):begin \(quoted by bench/quote\.py from (\S+); do not edit\) -->")
+RECORD_BEGIN = re.compile(r"<!-- (\w+):begin \(record: measured by (\S+) up to commit ([0-9a-f]{7,40}), not rerun\) -->")
+ESTIMATE_BEGIN = re.compile(r"<!-- (\w+):begin \(arithmetic on paper, not a measurement\) -->")
+# what a measured figure looks like in prose: a value with its error, standard errors, a ratio, a percentage, a
+# duration, a rate, or a small decimal; `key=value` (a setting) and generated pages are not figures
+FIGURE = re.compile(r"\d\s*(±|\+-)\s*\d|\b\d+\.\d+\s*(se|standard errors)\b|\b\d+\.\d+x\b|\b\d+(\.\d+)?\s*%"
+                    r"|\b\d+(\.\d+)?\s*(min|minutes|ms|seconds)\b|\b\d+\.\d+\s*s\b|(~|about )\d+(\.\d+)?\s*s\b"
+                    r"|\b\d+(\.\d+)?\s*(tokens/s|GB/s)|\b0\.\d{3,}\b|\b\d\.\d+e-\d+\b")
+# not figures: a setting (`key=value`), a bound the code holds to ("within 8 minutes", "at most 5%"), a code span
+# without a space (a literal input such as `1.5e-99999999`)
+NOT_FIGURES = re.compile(r"[\w.]+=\S+|\b(within|at most) ~?[\d.,]+\s*\S*|`[^` ]+`")
+GENERATED_PAGES = ("docs/reference/",)
+
+
+def figures_outside_blocks(page: Path) -> list[str]:
+    """``page:line: text`` of every line that quotes a measured figure outside a block a script writes, a record
+    naming its script and commit, or a block of arithmetic."""
+    found, inside = [], None
+    for n, line in enumerate(page.read_text().splitlines(), start=1):
+        opened = re.search(r"<!-- (\w+):begin", line)
+        if opened and inside is None:
+            inside = opened.group(1)
+            continue
+        if inside is not None:
+            if f"<!-- {inside}:end -->" in line:
+                inside = None
+            continue
+        if FIGURE.search(NOT_FIGURES.sub("", line)):
+            found.append(f"{page.relative_to(REPO)}:{n}: {line.strip()[:120]}")
+    return found
+
+
+WRITTEN_BEGIN = re.compile(r"<!-- (\w+):begin \(written by (\S+) --write-docs; do not edit\) -->")
+KNOWN_BEGINS = (WRITTEN_BEGIN, QUOTE_BEGIN, RECORD_BEGIN, ESTIMATE_BEGIN)
+
+
+def prose_pages() -> list[Path]:
+    return [p for p in PAGES if not str(p.relative_to(REPO)).startswith(GENERATED_PAGES)]
+
+
+def test_no_page_types_a_figure_by_hand():
+    """Every measured figure a page quotes stands in a block a script writes (``--write-docs`` or bench/quote.py), a
+    record naming the script and commit it was measured by, or a block of paper arithmetic; fails on a figure typed
+    into prose (as the default run's 0.000122 / 4.3 se / 0.90 stood on three pages before this test)."""
+    found = [hit for page in prose_pages() for hit in figures_outside_blocks(page)]
+    assert found == [], "figures outside a generated block or a record:\n" + "\n".join(found)
+
+
+def test_the_figure_scan_sees_typed_figures(tmp_path):
+    """The scan itself: figures in prose are found, the same inside a block, a setting or a bound are not; fails
+    when FIGURE or the block handling stops telling them apart."""
+    page = REPO / "docs" / "__scan_probe__.md"
+    typed = ["replay removes 0.000227 ± 0.000041 per sample", "a ratio of 0.81x", "flip rate 0.61%",
+             "it took 4.0 min", "5.5 se", "1615 tokens/s", "sync 1.88 s", "|dlogp| 1.39e-03"]
+    kept = ["`trainer.lr=0.0005` and `correction.seq_ratio_low=0.999`", "finishes within 8 minutes",
+            "a literal `1.5e-99999999`", "3 standard errors of the mean", "48 layers, 128 experts, top-8"]
+    block = ["<!-- probe:begin (record: measured by bench/quote.py up to commit abcdef0, not rerun) -->",
+             "a ratio of 0.81x inside a record", "<!-- probe:end -->"]
+    try:
+        page.write_text("\n".join([*typed, *kept, *block]) + "\n")
+        hits = figures_outside_blocks(page)
+    finally:
+        page.unlink()
+    assert [h.split(": ", 1)[1] for h in hits] == typed
+
+
+def test_every_block_is_of_a_known_kind():
+    """A block hides its lines from the figure scan, so only the four kinds may open one; fails on a block of another
+    form (which would let a hand-typed figure through as 'generated')."""
+    wrong = []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text().splitlines(), start=1):
+            if re.search(r"<!-- \w+:begin", line) and not any(b.search(line) for b in KNOWN_BEGINS):
+                wrong.append(f"{page.relative_to(REPO)}:{n}: {line.strip()}")
+    assert wrong == []
+
+
+def git_has_commit(commit: str) -> bool | None:
+    """Whether this clone holds the commit; None where there is no git history to ask (an exported tree)."""
+    import subprocess
+
+    if not (REPO / ".git").exists():
+        return None
+    done = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True)
+    return done.returncode == 0
+
+
+def test_every_record_names_a_script_and_a_commit_of_this_repository():
+    """A record's figures are as measured by the script it names at the commit it names; fails when the script is
+    gone or the commit is not in this repository's history (a record made up, or pointing at a rewritten branch)."""
+    records = 0
+    for page in prose_pages():
+        for name, script, commit in RECORD_BEGIN.findall(page.read_text()):
+            records += 1
+            assert (REPO / script).exists(), f"{page.relative_to(REPO)}: record {name} names {script}, which is gone"
+            assert git_has_commit(commit) is not False, f"{page.relative_to(REPO)}: record {name}: no commit {commit}"
+    assert records >= 10
+
+
+def test_every_quote_holds_its_script_s_figure_line():
+    """A block quoted by bench/quote.py holds the command, machine and date and the script's last line, and that
+    line's words are still what the script prints; fails on an empty block (never run) or a script whose figure line
+    changed since (rerun it)."""
+    quotes = 0
+    for page in prose_pages():
+        text = page.read_text()
+        for name, script in QUOTE_BEGIN.findall(text):
+            quotes += 1
+            body = text.split(f"<!-- {name}:begin", 1)[1].split(f"<!-- {name}:end -->", 1)[0]
+            where = f"{page.relative_to(REPO)}: quote {name}"
+            assert (REPO / script).is_file(), f"{where}: {script} is gone"
+            assert f"`python {script}" in body and re.search(r", \d{4}-\d{2}-\d{2}\)", body), \
+                f"{where}: empty or without its command and date; run python bench/quote.py {script}"
+            last = [line for line in body.strip().splitlines() if line.strip() and line.strip() != "```"][-1]
+            last = re.findall(r"`([^`]+)`", last)[-1] if last.endswith("`") else last
+            words = re.split(r"(?<=[\s:(])[-+~]?\d", last)[0].strip()
+            assert len(words) >= 6 and words in (REPO / script).read_text(), \
+                f"{where}: {script} no longer prints {words!r}"
+    assert quotes >= 8
