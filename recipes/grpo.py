@@ -78,8 +78,8 @@ class GRPORecipe(common.Recipe):
 
     def engines_started(self) -> None:
         self.client = RolloutClient.from_config(self.cfg, self.engines.urls)
-        # what an attached engine counted before this run is not this run's
-        self.preemptions_seen = engine_metrics.read_counter(self.engines.urls, engine_metrics.PREEMPTIONS)
+        self.preemption_windows = engine_metrics.PreemptionWindows(
+            lambda: engine_metrics.read_counter(self.engines.urls, engine_metrics.PREEMPTIONS))
         if self.environment is not None:
             self.episodes = EpisodeRunner(self.client, self.environment, self.tokenizer, EpisodeSettings.of(self.cfg),
                                           stop_token_ids=[self.tokenizer.eos_token_id])
@@ -186,7 +186,7 @@ class GRPORecipe(common.Recipe):
                               max_staleness=self.max_staleness, multi_turn=self.episodes is not None,
                               timings=timings, step_time_s=time.perf_counter() - started,
                               merged=(corrected.metrics, rollout_stats))
-        values.update(self.preemptions(samples))
+        values.update(self.preemptions(step, samples))
         values.update(update_figures(train_out, self.replay_mode))
         if self.colocated:  # what the trainer still held on its GPUs when the engines woke (0 on a CPU)
             values[M.PERF_TRAINER_RESERVED_AT_WAKE] = max(b for e, b in self.handoffs if e == "yield") / 2**30
@@ -263,19 +263,21 @@ class GRPORecipe(common.Recipe):
         if round_:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + round_ * 1_000_003)
         if self.episodes is not None:  # multi-turn: an episode per sample, one Sample each
-            return self.traced(asyncio.run(self.episodes.run(
-                [EpisodePrompt(p.prompt_ids, p.text, p.label) for p in prompts], cfg.algorithm.n_samples_per_prompt,
-                sampling, step=step)))
+            with self.preemption_windows.window(step):
+                return self.traced(asyncio.run(self.episodes.run(
+                    [EpisodePrompt(p.prompt_ids, p.text, p.label) for p in prompts],
+                    cfg.algorithm.n_samples_per_prompt, sampling, step=step)))
         client = self.client
         if self.in_flight:
             client = RolloutClient.from_config(cfg, self.engines.urls)
             self.live_clients.append(client)  # first: a sync from now on reaches it
             client.serve_version(self.engine_version or 0, self.adapter)
         try:
-            samples = asyncio.run(client.generate(
-                [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, sampling,
-                step=step, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in prompts],
-            ))
+            with self.preemption_windows.window(step):
+                samples = asyncio.run(client.generate(
+                    [list(map(int, p.prompt_ids)) for p in prompts], cfg.algorithm.n_samples_per_prompt, sampling,
+                    step=step, stop_token_ids=[self.tokenizer.eos_token_id], labels=[p.label for p in prompts],
+                ))
         finally:
             if client is not self.client:
                 self.live_clients.remove(client)
@@ -285,14 +287,14 @@ class GRPORecipe(common.Recipe):
             raise EngineError(f"step {step}: samples {aborted} were aborted by the engine; nothing was trained")
         return self.traced(samples)
 
-    def preemptions(self, samples: list[Sample]) -> dict[str, float]:
-        """The engines' preemptions since the last step (``vllm:num_preemptions_total``); with in-flight updates,
-        also the samples that spanned an update in a step with preemptions: each may have been preempted before the
-        update and recomputed after it by newer weights than the routes it returned (an upper bound; 0 proves none
-        was)."""
-        total = engine_metrics.read_counter(self.engines.urls, engine_metrics.PREEMPTIONS)
-        out = {M.PREEMPTIONS: total - self.preemptions_seen}
-        self.preemptions_seen = total
+    def preemptions(self, step: int, samples: list[Sample]) -> dict[str, float]:
+        """The engines' preemptions while the step's batch generated (``vllm:num_preemptions_total``, by batch window:
+        ``engine_metrics.PreemptionWindows``), and whether that window was shared with another batch's generation;
+        with in-flight updates, also the samples that spanned an update in a step with preemptions: each may have
+        been preempted before the update and recomputed after it by newer weights than the routes it returned (an
+        upper bound; 0 proves none was)."""
+        count, shared = self.preemption_windows.take(step)
+        out = {M.PREEMPTIONS: count, M.PREEMPTIONS_WINDOW_SHARED: float(shared)}
         if self.in_flight:
             spanning = sum(staleness.spans_versions(s) for s in samples)
             out[M.PREEMPTED_SPANNING_SAMPLES] = float(spanning if out[M.PREEMPTIONS] > 0 else 0)

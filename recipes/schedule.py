@@ -205,6 +205,7 @@ class CompletionOrder(Schedule):
         except GroupFailed as err:  # an engine that failed: the run ends naming it, as in batch intake
             raise EngineError(f"step {step}: {err}") from err
         timings["generate"] = time.perf_counter() - t
+        recipe.preemption_windows.since_last(step)  # the stream generates on: no window is this step's alone
         pending = self.stream.pending()
         n = alg.n_samples_per_prompt
         # the step's own group numbers, in completion order: advantages are centred per group

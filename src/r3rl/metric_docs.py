@@ -150,9 +150,11 @@ METRIC_DOCS: tuple[MetricDoc, ...] = tuple([
         ((M.STALENESS_MEAN, M.STALENESS_MAX, M.DROPPED_STALE),
          "algorithm.max_staleness: trainer versions between a sample's oldest generating weights and the weights it "
          "is trained from, mean and max; samples out of the loss because their group holds one past the bound"),
-        ((M.PREEMPTIONS, M.PREEMPTED_SPANNING_SAMPLES),
-         "the engines' preemptions during the step (vllm:num_preemptions_total: a request recomputed after its KV "
-         "blocks were taken); weight_update=in_flight: samples that spanned an update in a step with preemptions, an "
+        ((M.PREEMPTIONS, M.PREEMPTIONS_WINDOW_SHARED, M.PREEMPTED_SPANNING_SAMPLES),
+         "the engines' preemptions while the step's batch generated (vllm:num_preemptions_total read when its "
+         "generation starts and ends: a request recomputed after its KV blocks were taken), and 1 where another "
+         "batch generated in the same window (in flight, completion order), whose preemptions the count may hold; "
+         "weight_update=in_flight: samples that spanned an update in a step with preemptions, an "
          "upper bound on those recomputed by newer weights than the routes they returned (0 proves none was)"),
         (M.EVICTED_RESPONSE_LENGTH_MEAN,
          "mean response length of the samples out of the loss as stale (absent when none are): beside "

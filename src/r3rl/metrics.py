@@ -169,6 +169,7 @@ EVICTED_RESPONSE_LENGTH_MEAN = "rollout/evicted_response_length_mean"
 # forward: an upper bound, 0 proves none was)
 PREEMPTIONS = "rollout/preemptions"
 PREEMPTED_SPANNING_SAMPLES = "rollout/preempted_spanning_samples"
+PREEMPTIONS_WINDOW_SHARED = "rollout/preemptions_window_shared"
 # per response token in the loss: trainer version minus the version that sampled the token (vLLM's spans; the version
 # a request was sent under bounds only the sample's own version); and the share of samples whose tokens came from
 # more than one version (algorithm.weight_update=in_flight)
