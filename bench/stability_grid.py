@@ -1,17 +1,19 @@
 """When does R3 pay? The stabilisers users choose between, side by side on one harness (docs/stabilisers.md).
 
-    python bench/stability_grid.py [--out outputs/stability_grid] [--steps 16] [--reuse] [--write-docs] [override ...]
+    python bench/stability_grid.py [--out outputs/stability_grid] [--steps 16] [--seeds 3] [--reuse] [--write-docs]
+        [override ...]
 
 From the default CPU recipe's SFT warm start (cached, shared by every run), the same data, seeds and steps, one
-``python run.py`` per row of ``GRID`` (14 runs, not the full product of replay x correction x loss x router freeze x
-mini-batches): replay none and R3 on-policy (1 optimizer mini-batch per rollout batch, with TIS as the Qwen study's claim has
-it); none, R2 and R3 at 2 and at 4 mini-batches; at 4 also soft replay, TIS, GSPO and a frozen router; and a second rollout seed of none and R3 at 4,
-where the claims differ. Every run uses ``rollout=vllm_r3`` so the engine's routes are there to measure the
+``python run.py`` per row of ``GRID`` and rollout seed (12 rows, not the full product of replay x correction x loss x
+router freeze x mini-batches): replay none and R3 on-policy (1 optimizer mini-batch per rollout batch, with TIS as the
+Qwen study's claim has it); none, R2 and R3 at 2 and at 4 mini-batches; at 4 also soft replay, TIS, GSPO and a frozen
+router. Each row runs ``--seeds`` rollout seeds (trajectories): a verdict needs ``MIN_SEEDS`` of them
+(``r3rl.dashboard.stabiliser_verdicts``), so ``--seeds 1`` is a quick look whose every verdict is "not measurable". Every run uses ``rollout=vllm_r3`` so the engine's routes are there to measure the
 mismatch whatever the trainer replays.
 
 Prints one row per run (``r3rl.dashboard.stabilisers``, the table ``python -m r3rl.dashboard --runs`` shows), a
-verdict per claim (``r3rl.dashboard.stabiliser_verdicts``: gaps on shared seeds, paired by prompt, "supported" only
-within the stated equivalence margin), writes ``--out/comparison.png`` and ``comparison.html``, and ends with exactly:
+verdict per claim (``r3rl.dashboard.stabiliser_verdicts``: gaps on shared seeds, paired by prompt, each interval
+Student's t wide over the seeds and read against the stated equivalence margin), writes ``--out/comparison.png`` and ``comparison.html``, and ends with exactly:
 ``grid: R3/R2 later-mini-batch mismatch at 4 mini-batches <r>; best held-out gain <mode> <g>``.
 """
 
@@ -23,9 +25,9 @@ import sys
 from pathlib import Path
 
 from bench_runs import REPO, recipe_run
-from readme_figures import write_block
+from readme_figures import measured, write_block
 
-SEEDS = (1234, 4321)  # rollout.sampling.seed of the first and second trajectory (the warm start and data shared)
+SEEDS = (1234, 4321, 2718, 3141, 1618)  # rollout.sampling.seed of each trajectory (the warm start and data shared)
 # (label, mini-batches per rollout batch, overrides)
 GRID = (
     # on-policy with TIS: the Qwen study's claim is about policy gradient with the importance-sampling correction
@@ -42,18 +44,16 @@ GRID = (
     ("GSPO", 4, ("replay=none", "algorithm.loss=gspo")),
     ("frozen router", 4, ("replay=none", "trainer.freeze_router=true")),
 )
-SECOND_SEED = ("none", "R3")  # at 4 mini-batches
 BEGIN = "<!-- stability_grid:begin (written by bench/stability_grid.py --write-docs; do not edit) -->"
 END = "<!-- stability_grid:end -->"
 
 
-def run_all(out: Path, steps: int, overrides: list[str], reuse: bool) -> list[tuple[str, Path]]:
+def run_all(out: Path, steps: int, seeds: int, overrides: list[str], reuse: bool) -> list[tuple[str, Path]]:
     from r3rl.config import compose
 
     alg = compose(["parallelism=cpu", *overrides]).algorithm
     batch = alg.rollout_batch_size * alg.n_samples_per_prompt
-    plan = [(label, mb, extra, SEEDS[0]) for label, mb, extra in GRID]
-    plan += [(label, mb, extra, SEEDS[1]) for label, mb, extra in GRID if mb == 4 and label in SECOND_SEED]
+    plan = [(label, mb, extra, seed) for seed in SEEDS[:seeds] for label, mb, extra in GRID]
     done = []
     for i, (label, mb, extra, seed) in enumerate(plan, 1):
         name = f"{label.replace(' ', '_')}-mb{mb}-seed{seed}"
@@ -69,14 +69,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="outputs/stability_grid")
     ap.add_argument("--steps", type=int, default=16, help="GRPO steps per run (eval before step 1 and at the end)")
+    ap.add_argument("--seeds", type=int, default=3, choices=range(1, len(SEEDS) + 1), metavar=f"1..{len(SEEDS)}",
+                    help="rollout seeds (trajectories) per row; a verdict needs MIN_SEEDS of them")
     ap.add_argument("--reuse", action="store_true", help="read runs already finished in --out instead of rerunning")
     ap.add_argument("--write-docs", action="store_true",
                     help="replace the stability_grid blocks of docs/stabilisers.md and README.md")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = ap.parse_args()
     out = Path(args.out).resolve()
-    done = run_all(out, args.steps, args.overrides, args.reuse)
-    from r3rl.dashboard.stabiliser_verdicts import EQUIVALENCE_MARGIN, arm, verdicts
+    done = run_all(out, args.steps, args.seeds, args.overrides, args.reuse)
+    from r3rl.dashboard.stabiliser_verdicts import EQUIVALENCE_MARGIN, MIN_SEEDS, arm, verdicts
     from r3rl.dashboard.stabilisers import grid_rows, render_table
     from r3rl.tracking.offline_reader import read_run
 
@@ -87,8 +89,10 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "r3rl.dashboard", "--runs", *(str(f) for _, f in done), "--out", str(out),
                     "--title", "Stabilisers side by side"], cwd=REPO, check=False, stdout=subprocess.DEVNULL)
     print(f"\ncomparison: {out / 'comparison.png'}, {out / 'comparison.html'}\n")
-    verdict_lines = [f"Equivalence margin: {EQUIVALENCE_MARGIN} held-out avg@4 (a claim that two setups do alike is "
-                     "supported only when the gap's interval +- 2 se lies within it).", "",
+    verdict_lines = [f"Equivalence margin: {EQUIVALENCE_MARGIN} held-out avg@4; each gap's interval is Student's t "
+                     f"wide over its shared seeds (the normal's 2 sigma), and a verdict needs {MIN_SEEDS} seeds. A "
+                     "claim that two setups do alike is supported when the interval lies within the margin, one that "
+                     "a setup is ahead when it lies above it.", "",
                      *(f"- {line}" for line in verdicts(rows))]
     print("\n".join(verdict_lines))
     r2, r3 = arm(rows, "R2", 4), arm(rows, "R3", 4)
@@ -99,13 +103,13 @@ def main() -> None:
     print(last)
     if args.write_docs:
         command = " ".join(["python bench/stability_grid.py", *([f"--steps {args.steps}"] if args.steps != 16 else []),
-                            *args.overrides])
-        head = [f"`{command}` ({args.steps} GRPO steps of 64 prompts x 4 per run, held-out avg@4 before step 1 and "
+                            *([f"--seeds {args.seeds}"] if args.seeds != 3 else []), *args.overrides])
+        head = [f"`{command}` ({measured()}; {args.steps} GRPO steps of 64 prompts x 4 per run, held-out avg@4 before step 1 and "
                 "after the last, paired by prompt and clustered by problem):", "", render_table(rows), ""]
         write_block(REPO / "docs" / "stabilisers.md", "\n".join([BEGIN, *head, *verdict_lines, "", f"`{last}`", END]),
                     BEGIN, END)
         # the README gives the verdicts; the table lives on the page
-        readme = [f"`{command}` ({args.steps} GRPO steps of 64 prompts x 4 per run; the table of every arm is on "
+        readme = [f"`{command}` ({measured()}; {args.steps} GRPO steps of 64 prompts x 4 per run; the table of every arm is on "
                   "[Which stabiliser do I need?](docs/stabilisers.md)):", ""]
         write_block(REPO / "README.md", "\n".join([BEGIN, *readme, *verdict_lines, "", f"`{last}`", END]), BEGIN, END)
         print("wrote the blocks of docs/stabilisers.md and README.md")

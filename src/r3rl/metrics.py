@@ -387,6 +387,20 @@ def t_sf(t: float, df: int) -> float:
     return (1 - inside) / 2
 
 
+def t_isf(tail: float, df: int) -> float:
+    """The t with P(T > t) = ``tail`` for Student's t with ``df`` degrees of freedom (``t_sf`` inverted by
+    bisection): how many standard errors an interval over df + 1 clusters needs to be as wide as the normal's."""
+    if not 0 < tail < 0.5:
+        raise ValueError(f"tail must be in (0, 0.5), got {tail}")
+    lo, hi = 0.0, 1.0
+    while t_sf(hi, df) > tail:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_sf(mid, df) > tail else (lo, mid)
+    return (lo + hi) / 2
+
+
 def token_mult_prob_error(trainer_lps: ArrayRows, rollout_lps: ArrayRows, masks: ArrayRows) -> float:
     """NeMo-RL's ``token_mult_prob_error``: token masked mean of exp(|trainer - rollout|); 1.0 is a perfect match."""
     t, r, m = _aligned(trainer_lps, rollout_lps, masks)

@@ -221,3 +221,15 @@ def test_t_tail_matches_the_tables_and_check_four_states_its_false_alarm_rate():
     check = replay_exact(0, True, unreplayed - 1e-5, unreplayed, unreplayed + 1.0, prompts, layout="packed")
     assert check.values["false_alarm_rate"] == pytest.approx(M.t_sf(3.0, 7))
     assert "at most 1.0% of the time (Student's t, 7 degrees of freedom)" in check.bound
+
+
+def test_t_isf_inverts_t_sf_at_the_tables_quantiles():
+    """Student's t quantiles from the tables (97.5%: 12.706 at 1 degree of freedom, 4.303 at 2, 2.228 at 10) and the
+    normal's 2 at many; fails if the inversion's bracket or bisection were off, or it returned t_sf's argument for
+    another tail."""
+    assert M.t_isf(0.025, 1) == pytest.approx(12.706, abs=2e-3)
+    assert M.t_isf(0.025, 2) == pytest.approx(4.303, abs=1e-3)
+    assert M.t_isf(0.025, 10) == pytest.approx(2.228, abs=1e-3)
+    assert M.t_isf(0.5 * math.erfc(2 / math.sqrt(2)), 5000) == pytest.approx(2.0, abs=2e-3)
+    with pytest.raises(ValueError, match="tail"):
+        M.t_isf(0.7, 3)

@@ -10,11 +10,17 @@ How a difference between two setups is measured (``gap``):
 - over several shared seeds, the mean of the per-seed gaps, with the larger of their combined errors and their
   spread between seeds (one seed cannot show the spread between trajectories; the docs say so).
 
-The words (``EQUIVALENCE_MARGIN`` is stated wherever they are printed):
-- a claim that two setups do alike is "supported" only when the whole interval d +- 2 se lies within +- the margin,
-  "not supported" when the whole interval lies beyond it (either way), and "not measurable" otherwise;
-- a claim that one setup is ahead is "supported" when it is ahead by more than 2 se, "not supported" when even the
-  top of its interval (d + 2 se) is below the margin, and "not measurable" otherwise.
+The words (``EQUIVALENCE_MARGIN`` and ``MIN_SEEDS`` are stated wherever they are printed), one rule for every
+claim: a gap's interval is d +- k se, where k is Student's t at the seeds less one for the normal's two-sided
+2-sigma level (k = 2 with many seeds, 4.5 at three), and the interval is read against the margin:
+- fewer than ``MIN_SEEDS`` shared seeds: "not measurable", with the count. A seed is a trajectory; with one the
+  spread between trajectories is unknown, with two it rests on one degree of freedom;
+- a claim that two setups do alike is "supported" when the whole interval lies within +- the margin, "not
+  supported" when it lies wholly beyond it (either way), "not measurable" otherwise;
+- a claim that one setup is ahead (by a difference a user would act on) is "supported" when the whole interval lies
+  above the margin, "not supported" when it lies wholly below, "not measurable" otherwise;
+- a claim over several gaps ("R3 pays from 4": ahead of R2 and of no replay) is supported only when each is, not
+  supported when any is not, and not measurable otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ from r3rl import metrics as M
 # held-out avg@4: a difference smaller than this is one a user would not act on (a third of what 16 steps of the
 # grid gain from the warm start, about +0.12 to +0.18)
 EQUIVALENCE_MARGIN = 0.05
+# shared rollout seeds a verdict needs: with fewer the between-trajectory spread has under two degrees of freedom
+MIN_SEEDS = 3
+# the normal's one-sided tail beyond 2 sigma: the level every interval is drawn at, whatever the seed count
+TWO_SIGMA_TAIL = 0.5 * math.erfc(2 / math.sqrt(2))
 
 
 @dataclass(frozen=True)
@@ -80,22 +90,47 @@ def gap(rows: Sequence, a: tuple[str, float], b: tuple[str, float]) -> Gap:
     return Gap(mean, max(within, between), seeds)
 
 
+def half_width(g: Gap) -> float:
+    """k se: Student's t at the shared seeds less one for the 2-sigma tail, times the gap's error."""
+    return M.t_isf(TWO_SIGMA_TAIL, len(g.seeds) - 1) * g.se
+
+
+def too_few_seeds(g: Gap) -> str | None:
+    n = len(g.seeds)
+    if n < MIN_SEEDS:
+        return f"not measurable ({n} shared seed{'s' if n != 1 else ''}; a verdict needs {MIN_SEEDS})"
+    return None
+
+
 def alike(g: Gap, margin: float = EQUIVALENCE_MARGIN) -> str:
     """The word for a claim that the two arms of ``g`` do alike (an equivalence test: both ends of the interval)."""
-    if abs(g.diff) + 2 * g.se <= margin:
+    if (few := too_few_seeds(g)) is not None:
+        return few
+    if abs(g.diff) + half_width(g) <= margin:
         return "supported"
-    if abs(g.diff) - 2 * g.se > margin:
+    if abs(g.diff) - half_width(g) > margin:
         return "not supported"
     return "not measurable"
 
 
 def ahead(g: Gap, margin: float = EQUIVALENCE_MARGIN) -> str:
-    """The word for a claim that the first arm of ``g`` is ahead of the second."""
-    if g.diff > 2 * g.se:
+    """The word for a claim that the first arm of ``g`` is ahead of the second by more than the margin."""
+    if (few := too_few_seeds(g)) is not None:
+        return few
+    if g.diff - half_width(g) > margin:
         return "supported"
-    if g.diff + 2 * g.se < margin:
+    if g.diff + half_width(g) < margin:
         return "not supported"
     return "not measurable"
+
+
+def all_of(words: Sequence[str]) -> str:
+    """One word for a claim that needs each of its gaps: supported when all are, not supported when any is not."""
+    if all(w == "supported" for w in words):
+        return "supported"
+    if "not supported" in words:
+        return "not supported"
+    return next((w for w in words if w.startswith("not measurable (")), "not measurable")
 
 
 def _fmt(g: Gap) -> str:
@@ -115,9 +150,7 @@ def verdicts(rows: Sequence, margin: float = EQUIVALENCE_MARGIN) -> list[str]:
     out.append(f"Qwen: R2 suffices at 2 mini-batches. Later-mini-batch mismatch R3/R2 {r3[2].later / r2[2].later:.2f}; "
                f"R3 - R2 held-out gain {_fmt(g)}: {alike(g, margin)}")
     g, g0 = gap(rows, ("R3", 4), ("R2", 4)), gap(rows, ("R3", 4), ("none", 4))
-    words = {ahead(g, margin), ahead(g0, margin)}
-    word = "supported" if "supported" in words else "not supported" if words == {"not supported"} else \
-        "not measurable"
+    word = all_of([ahead(g, margin), ahead(g0, margin)])
     out.append(f"Qwen: R3 pays from 4 mini-batches on. Later-mini-batch mismatch R3/R2 {r3[4].later / r2[4].later:.2f}; "
                f"R3 - R2 held-out gain {_fmt(g)}, R3 - none {_fmt(g0)}: {word}")
     for other in ("GSPO", "TIS"):

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from r3rl.dashboard.stabiliser_verdicts import Gap, ahead, alike, gap, verdicts
+from r3rl import metrics as M
+from r3rl.dashboard.stabiliser_verdicts import TWO_SIGMA_TAIL, Gap, ahead, alike, all_of, gap, verdicts
 from r3rl.dashboard.stabilisers import GridRow
 
 PROBLEMS = tuple(f"p{i // 2}" for i in range(40))  # 20 problems, two restatements each
@@ -61,45 +62,107 @@ def test_the_gap_is_paired_by_prompt_and_clustered_by_problem():
     assert g.se < 0.25 * math.hypot(a.gain_se, b.gain_se)
 
 
+SEEDS3 = (1, 2, 3)
+
+
 def test_supported_needs_the_interval_within_the_margin():
-    """A claim that two setups do alike: supported only when |d| + 2 se fits the margin; a gap of 0 with a wide
-    error is not measurable. A claim that one is ahead: supported above 2 se, not supported when even d + 2 se is
-    under the margin. Fails if "supported" were printed for any difference under 2 se (the bench before issue 58)."""
-    assert alike(Gap(0.0, 0.01, (1,)), 0.05) == "supported"
-    assert alike(Gap(0.0, 0.04, (1,)), 0.05) == "not measurable"  # under 2 se, but the interval is +-0.08
-    assert alike(Gap(0.10, 0.02, (1,)), 0.05) == "not supported"
-    assert ahead(Gap(0.10, 0.02, (1,)), 0.05) == "supported"
-    assert ahead(Gap(-0.02, 0.01, (1,)), 0.05) == "not supported"
-    assert ahead(Gap(0.02, 0.02, (1,)), 0.05) == "not measurable"
+    """A claim that two setups do alike: supported only when |d| + k se fits the margin; a gap of 0 with a wide
+    error is not measurable. A claim that one is ahead: supported only when d - k se clears the margin, not
+    supported when d + k se is under it. Fails if "supported" were printed for any difference under 2 se (the
+    bench before issue 58)."""
+    k = M.t_isf(TWO_SIGMA_TAIL, 2)
+    assert alike(Gap(0.0, 0.01, SEEDS3), 0.05) == "supported"
+    assert alike(Gap(0.0, 0.04, SEEDS3), 0.05) == "not measurable"  # under 2 se, but the interval is +-0.18
+    assert alike(Gap(0.10, 0.01, SEEDS3), 0.05) == "not supported"
+    assert ahead(Gap(0.10, 0.01, SEEDS3), 0.05) == "supported"
+    assert ahead(Gap(-0.02, 0.01, SEEDS3), 0.05) == "not supported"
+    assert ahead(Gap(0.02, 0.02, SEEDS3), 0.05) == "not measurable"
+    assert 4.4 < k < 4.6  # Student's t at 2 degrees of freedom for the normal's 2-sigma tail
 
 
-def grid(r3_gain: float, se_scale: float) -> list[GridRow]:
-    """Every arm of the bench's grid on seed 1, and none and R3 at 4 on seed 2; R3 at 4 mini-batches gains
-    ``r3_gain`` more than every other arm, per prompt."""
+def test_ahead_is_read_against_the_margin_like_alike():
+    """Ahead by 0.03 +- 0.005 over 5 seeds is a real difference but under the margin a user would act on: "not
+    supported" (its whole interval lies below 0.05), where the old rule (d > 2 se) said "supported" and ignored the
+    margin (issue 70, item 7). Fails if ahead() went back to d > 2 se."""
+    g = Gap(0.03, 0.005, (1, 2, 3, 4, 5))
+    assert g.diff > 2 * g.se
+    assert ahead(g, 0.05) == "not supported"
+    assert ahead(Gap(0.08, 0.005, (1, 2, 3, 4, 5)), 0.05) == "supported"
+
+
+def test_a_verdict_needs_three_seeds_and_t_width_intervals():
+    """One seed cannot show the spread between trajectories, two give it one degree of freedom: both read "not
+    measurable" with the count, even where a 2-se interval fits the margin. With three seeds the interval is
+    Student's t wide (4.5 se), so 0 +- 0.015 is not measurable where 2 se would have said supported. Fails if a
+    verdict were given on one or two seeds (the grid before issue 70, item 8) or the width stayed 2 se."""
+    for seeds in ((1,), (1, 2)):
+        word = alike(Gap(0.0, 0.001, seeds), 0.05)
+        assert word.startswith("not measurable (") and f"{len(seeds)} shared seed" in word, word
+        assert ahead(Gap(0.5, 0.001, seeds), 0.05).startswith("not measurable (")
+    assert alike(Gap(0.0, 0.015, SEEDS3), 0.05) == "not measurable"
+    assert alike(Gap(0.0, 0.015, tuple(range(40))), 0.05) == "supported"
+
+
+def test_a_claim_over_two_gaps_needs_both():
+    """"R3 pays from 4" needs R3 ahead of R2 and of no replay: one supported and one not measurable is not
+    measurable, one not supported makes it not supported. Fails if the claim ORed its two tests (issue 70, item 7)."""
+    assert all_of(["supported", "not measurable"]) == "not measurable"
+    assert all_of(["supported", "not supported"]) == "not supported"
+    assert all_of(["supported", "supported"]) == "supported"
+    assert all_of(["supported", "not measurable (1 shared seed; a verdict needs 3)"]).startswith("not measurable (")
+
+
+def grid(r3_gain: float, se_scale: float, seeds=SEEDS3) -> list[GridRow]:
+    """Every arm of the bench's grid on each seed; R3 at 4 mini-batches gains ``r3_gain`` more than every other
+    arm, per prompt; each seed moves every arm alike (a trajectory), each run has its own per-prompt noise."""
     base = 0.12 + noise(5, 0.3)
-    jitter = lambda k: noise(10 + k, se_scale)  # noqa: E731 - per-run per-prompt noise
     arms = [("none", 1), ("R3", 1), ("none", 2), ("R2", 2), ("R3", 2), ("none", 4), ("R2", 4), ("R3", 4),
             ("soft 0.5", 4), ("TIS", 4), ("GSPO", 4), ("frozen router", 4)]
-    rows = [row(label, mb, 1, base + jitter(k) + (r3_gain if (label, mb) == ("R3", 4) else 0.0),
-                replace_rate=3e-5 if label == "soft 0.5" else math.nan) for k, (label, mb) in enumerate(arms)]
-    rows += [row("none", 4, 2, base + jitter(20)), row("R3", 4, 2, base + jitter(21) + r3_gain)]
+    rows = []
+    for s in seeds:
+        for k, (label, mb) in enumerate(arms):
+            gains = base + 0.02 * s + noise(100 * s + k, se_scale) + (r3_gain if (label, mb) == ("R3", 4) else 0.0)
+            rows.append(row(label, mb, s, gains, replace_rate=3e-5 if label == "soft 0.5" else math.nan))
     return rows
 
 
 def test_the_verdicts_flip_when_the_data_do():
     """The same grid twice: R3 at 4 mini-batches no better than the rest with little noise (R3 pays: not supported;
     R3 ahead of GSPO and TIS: not supported; on-policy alike: supported), then +0.15 ahead of every arm (R3 pays and
-    R3 ahead of GSPO and TIS: supported; soft replay alike R3: not supported). Fails if a verdict did not follow
-    the data, or a claim's line lost its figures."""
+    R3 ahead of GSPO and TIS: supported; soft replay alike R3: not supported); on one seed every claim is not
+    measurable. Fails if a verdict did not follow the data, or a claim's line lost its figures."""
     quiet = dict(line.split(". ", 1) for line in verdicts(grid(0.0, 0.01)))
     assert quiet["Qwen: on-policy (1 mini-batch, TIS on) needs neither R2 nor R3"].endswith(": supported")
     assert quiet["Qwen: R3 pays from 4 mini-batches on"].endswith(": not supported")
     assert quiet["R3 paper: R3 ahead of GSPO"].endswith(": not supported")
-    assert "(seed 1)" in quiet["R3 paper: R3 ahead of GSPO"] and "(seeds 1, 2)" in quiet[
-        "Qwen: R3 pays from 4 mini-batches on"]
+    assert "(seeds 1, 2, 3)" in quiet["R3 paper: R3 ahead of GSPO"]
     loud = dict(line.split(". ", 1) for line in verdicts(grid(0.15, 0.01)))
     assert loud["Qwen: R3 pays from 4 mini-batches on"].endswith(": supported")
     assert loud["R3 paper: R3 ahead of TIS"].endswith(": supported")
     assert loud["prime-rl #2703: soft replay at ratio 0.5 does as R3 does"].endswith(": not supported")
     noisy = dict(line.split(". ", 1) for line in verdicts(grid(0.0, 0.4)))
     assert noisy["Qwen: on-policy (1 mini-batch, TIS on) needs neither R2 nor R3"].endswith(": not measurable")
+    one = verdicts(grid(0.15, 0.01, seeds=(1,)))
+    assert all("not measurable (1 shared seed; a verdict needs 3)" in line for line in one), one
+
+
+def test_over_seeds_the_error_is_the_larger_of_within_and_between():
+    """Per seed the two arms differ by +0.10, -0.10 and 0 with almost no prompt noise: the gap's mean is 0 and its
+    error is the seeds' spread (0.1 / sqrt(3) = 0.058), not the tiny per-seed errors combined. Then the seeds agree
+    and the prompt noise is large: the error is the per-seed errors combined. Fails if the combination kept only one
+    of the two (the seed-combination rule of issue 70)."""
+    shared = noise(7, 0.3)
+    rows = []
+    for seed, d in ((1, 0.10), (2, -0.10), (3, 0.0)):
+        rows += [row("R3", 4, seed, 0.12 + shared + d + noise(30 + seed, 1e-4)),
+                 row("none", 4, seed, 0.12 + shared + noise(40 + seed, 1e-4))]
+    g = gap(rows, ("R3", 4), ("none", 4))
+    assert g.seeds == (1, 2, 3) and abs(g.diff) < 1e-3
+    assert g.se == pytest.approx(0.1 / math.sqrt(3), rel=0.02)
+    loud = [row(label, 4, seed, 0.12 + shared + noise(50 + 2 * seed + (label == "R3"), 0.3))
+            for seed in (1, 2, 3) for label in ("R3", "none")]
+    per_seed = [M.mean_and_stderr(np.subtract(loud[2 * i].prompt_gains, loud[2 * i + 1].prompt_gains), PROBLEMS)
+                for i in range(3)]
+    within = math.sqrt(sum(se ** 2 for _, se in per_seed)) / 3
+    spread = float(np.std([d for d, _ in per_seed], ddof=1)) / math.sqrt(3)
+    assert gap(loud, ("R3", 4), ("none", 4)).se == pytest.approx(max(within, spread))
