@@ -64,13 +64,15 @@ def launch(cfg) -> None:
     """Start ``recipes/<recipe.name>.py`` on the validated ``cfg``, on a machine that can run its layout."""
     import importlib
 
-    from r3rl.launch import check_machine
+    from r3rl.launch import check_machine, launch_warnings
     from r3rl.platform import visible_gpu_count
 
     problem = check_machine(cfg, visible_gpu_count())
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+    for warning in launch_warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     name = cfg.recipe.name  # validated: grpo or sft
     try:
         module = importlib.import_module(f"recipes.{name}")

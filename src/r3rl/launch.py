@@ -40,6 +40,14 @@ def dry_run(cfg: R3RLConfig) -> None:
     console.print(Syntax(text, "yaml", theme="ansi_dark"), soft_wrap=True)
 
 
+def launch_warnings(cfg: R3RLConfig) -> list[str]:
+    """What the launch could not check before starting and the user should know (printed, the run goes on)."""
+    from r3rl import memory
+
+    unplanned = memory.kv_cache_unplanned(cfg, build_plan(cfg).memory)
+    return [unplanned] if unplanned else []
+
+
 def check_machine(cfg: R3RLConfig, gpus: int) -> str | None:
     """Why this config cannot run on a machine with ``gpus`` visible GPUs, or None.
 

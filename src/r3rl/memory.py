@@ -71,6 +71,11 @@ GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # CUDA context, NCCL communicators and allocator fragmentation on a trainer GPU
 RUNTIME_BYTES = 2 * GIB
+# one engine GPU's memory besides its weights and KV cache: the CUDA context, NCCL buffers, CUDA graphs and the
+# activation peak vLLM profiles before it sizes the cache from what is left of its share
+ENGINE_RUNTIME_BYTES = 2 * GIB
+# the KV cache a CPU engine gets when rollout.engine.kv_cache_memory_bytes is unset (r3rl.plan passes it)
+CPU_KV_CACHE_BYTES = 64 * 1024 * 1024
 # host memory of one process (trainer rank, engine GPU worker): Python, torch, the CUDA runtime's host side
 HOST_RUNTIME_BYTES = 4 * GIB
 # bytes per offloaded parameter Megatron's HybridDeviceOptimizer keeps in host memory (see the module docstring)
@@ -370,10 +375,13 @@ def engine_parts(cfg: R3RLConfig, engine_dtype: str, budget_bytes: int | None) -
     held = sum(p.bytes for p in parts)
     if eng.kv_cache_memory_bytes is not None:
         return [*parts, Part("engine KV cache", eng.kv_cache_memory_bytes)]
+    if cfg.parallelism.device == "cpu":
+        return [*parts, Part("engine KV cache", CPU_KV_CACHE_BYTES)]
     if budget_bytes is None:
         return parts
     share = int(engine_memory_share(cfg) * budget_bytes)
-    return [*parts, Part("engine KV cache + runtime", max(share - held, 0))]
+    return [*parts, Part("engine runtime", ENGINE_RUNTIME_BYTES),
+            Part("engine KV cache", max(share - held - ENGINE_RUNTIME_BYTES, 0))]
 
 
 def host_memory(cfg: R3RLConfig, trainer_dtype: str, engine_weights: int, load_format: str | None = None
@@ -449,21 +457,80 @@ def in_flight_sequences(cfg: R3RLConfig) -> int:
     return min(running, cap) if cap else running
 
 
-def in_flight_kv_shortfall(cfg: R3RLConfig, engine_dtype: str, plan: MemoryPlan) -> tuple[int, int] | None:
-    """(tokens the in-flight sequences can grow to, KV tokens an engine GPU holds) when the first exceeds the
-    second: vLLM then preempts and recomputes running requests, and one preempted before an in-flight update and
-    resumed after it is recomputed by the new weights while the trainer replays its first forward's rows. A
-    sequence grows to its prompt plus ``max_tokens`` at most (never past ``max_model_len``). None when it fits, or
-    when the KV cache is not planned (no GPU budget and no ``kv_cache_memory_bytes``)."""
-    if cfg.algorithm.weight_update != "in_flight":
-        return None
-    kv = [p.bytes for g in plan.gpus for _, p in g.parts if p.name.startswith("engine KV cache")]
-    if not kv:
+def engine_block_size(cfg: R3RLConfig) -> int:
+    """The tokens of one vLLM KV block: ``--block-size`` in ``rollout.engine.extra_args``, else what vLLM picks on
+    the device: its CPU backend 128 (16 under the CPU MLA kernel), CUDA 16 (64 under FlashMLA)."""
+    args = cfg.rollout.engine.extra_args
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--block-size" and i + 1 < len(args) else \
+            arg.split("=", 1)[1] if arg.startswith("--block-size=") else None
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    mla = cfg.model.kv_lora_rank is not None
+    if cfg.parallelism.device == "cpu":
+        return 16 if mla else 128
+    return 64 if mla else 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KvFit:
+    """In-flight sequences against one engine GPU's KV cache, in vLLM's blocks: a sequence holds a block for every
+    ``block_size`` tokens, the last one partly filled, and the pool keeps one block aside (its null block)."""
+    sequences: int
+    length: int  # tokens a sequence can grow to
+    block_size: int
+    blocks_held: int  # blocks the cache holds, the null block taken out
+    kv_bytes: int  # the cache, by the plan
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return -(-self.length // self.block_size)
+
+    @property
+    def blocks_needed(self) -> int:
+        return self.sequences * self.blocks_per_sequence
+
+    @property
+    def fits(self) -> bool:
+        return self.blocks_needed <= self.blocks_held
+
+
+def engine_kv_bytes(plan: MemoryPlan) -> int | None:
+    """One engine GPU's KV cache by the plan, or None where the plan does not size it (a GPU layout without
+    ``parallelism.gpu_memory_gib`` or ``rollout.engine.kv_cache_memory_bytes``)."""
+    kv = [p.bytes for g in plan.gpus for role, p in g.parts if role == "rollout" and p.name == "engine KV cache"]
+    return kv[0] if kv else None
+
+
+def in_flight_kv_fit(cfg: R3RLConfig, engine_dtype: str, plan: MemoryPlan) -> KvFit | None:
+    """``algorithm.weight_update=in_flight``: the sequences that may run at once on an engine against its KV cache.
+    When they outgrow it vLLM preempts and recomputes running requests, and one preempted before an in-flight update
+    and resumed after it is recomputed by the new weights while the trainer replays its first forward's rows. A
+    sequence grows to its prompt plus ``max_tokens`` at most (never past ``max_model_len``). None for other updates
+    or where the KV cache is not planned (``kv_cache_unplanned`` says so)."""
+    kv = engine_kv_bytes(plan)
+    if cfg.algorithm.weight_update != "in_flight" or kv is None:
         return None
     length = min(cfg.rollout.engine.max_model_len, cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens)
-    need = in_flight_sequences(cfg) * length
-    holds = kv[0] // kv_bytes_per_token(cfg, engine_dtype)
-    return (need, holds) if need > holds else None
+    block = engine_block_size(cfg)
+    held = kv // (block * kv_bytes_per_token(cfg, engine_dtype)) - 1
+    return KvFit(in_flight_sequences(cfg), length, block, held, kv)
+
+
+def kv_cache_unplanned(cfg: R3RLConfig, plan: MemoryPlan) -> str | None:
+    """Why an in-flight run's KV cache cannot be checked before launch, or None: an attached engine's cache is its
+    own, and a GPU layout without a budget leaves vLLM to size it."""
+    if cfg.algorithm.weight_update != "in_flight":
+        return None
+    if cfg.rollout.engine.url:
+        return ("rollout.engine.url: the attached engine's KV cache is not planned, so whether the in-flight "
+                "sequences fit it (without preemptions, which recompute requests under newer weights) is not checked; "
+                "watch rollout/preemptions")
+    if engine_kv_bytes(plan) is None:
+        return ("parallelism.gpu_memory_gib is unset: the engines' KV cache is not planned, so whether the in-flight "
+                "sequences fit it is not checked; set it (or rollout.engine.kv_cache_memory_bytes), or watch "
+                "rollout/preemptions")
+    return None
 
 
 def engine_weights_fit(cfg: R3RLConfig, plan: MemoryPlan) -> bool:

@@ -187,7 +187,7 @@ def engine_argv(cfg: R3RLConfig, port: int | None, dtype: str, node: int) -> lis
     if eng.kv_cache_memory_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(eng.kv_cache_memory_bytes)]
     elif par.device == "cpu":
-        argv += ["--kv-cache-memory-bytes", str(64 * 1024 * 1024)]
+        argv += ["--kv-cache-memory-bytes", str(memory.CPU_KV_CACHE_BYTES)]
     else:
         argv += ["--gpu-memory-utilization", str(memory.engine_memory_share(cfg))]
     # weight updates from the trainer's HF folder (r3rl.sync.disk) re-run each layer's post-load processing
@@ -397,11 +397,10 @@ def build_plan(cfg: R3RLConfig, resume_format: str | None = None) -> LaunchPlan:
 def kv_tokens_per_engine(cfg: R3RLConfig, plan: LaunchPlan) -> int | None:
     """Tokens one engine's KV cache holds by the memory plan (each GPU's share of every layer's cache, a token's
     part on every GPU of the engine), or None when the plan does not size the cache (no GPU budget)."""
-    parts = [p.bytes for g in plan.memory.gpus for role, p in g.parts
-             if role == "rollout" and p.name.startswith("engine KV cache")]
-    if not parts or cfg.rollout.engine.url:
+    kv = memory.engine_kv_bytes(plan.memory)
+    if kv is None or cfg.rollout.engine.url:
         return None
-    return int(parts[0] // memory.kv_bytes_per_token(cfg, plan.engine_dtype))
+    return int(kv // memory.kv_bytes_per_token(cfg, plan.engine_dtype))
 
 
 def batch_settings(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
@@ -416,7 +415,9 @@ def batch_settings(cfg: R3RLConfig, plan: LaunchPlan) -> dict[str, Any]:
     kv = kv_tokens_per_engine(cfg, plan)
     rollout = {"max_concurrency": concurrency,
                "why": f"{why}; {step} samples a step over {engines} engine(s) go out in {waves} wave(s)"}
-    if kv is not None:
+    if (unplanned := memory.kv_cache_unplanned(cfg, plan.memory)) is not None:
+        rollout["kv_cache"] = f"not checked: {unplanned}"
+    elif kv is not None:
         full = kv // eng.max_model_len
         rollout["kv_cache"] = (f"~{kv:,} tokens per engine by the memory plan: {full} sequences of max_model_len="
                                f"{eng.max_model_len} run at once, more when responses are shorter; vLLM queues the "

@@ -279,9 +279,9 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
         plan.checkpoint_load_host_bytes > plan.checkpoint_save_host_bytes
     problems = []
     engine_dtype = resolve_dtype(cfg.rollout.engine.dtype, device)
-    short = memory.in_flight_kv_shortfall(cfg, engine_dtype, plan)
-    if short is not None:
-        problems.append(in_flight_kv_problem(cfg, engine_dtype, *short))
+    fit = memory.in_flight_kv_fit(cfg, engine_dtype, plan)
+    if fit is not None and not fit.fits:
+        problems.append(in_flight_kv_problem(cfg, engine_dtype, fit))
     if not memory.engine_weights_fit(cfg, plan):
         problems.append((memory.engine_memory_share_key(cfg),
                          f"{memory.engine_memory_share(cfg)} of {cfg.parallelism.gpu_memory_gib} GiB does "
@@ -308,33 +308,35 @@ def memory_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     return problems
 
 
-def in_flight_kv_problem(cfg: R3RLConfig, engine_dtype: str, need: int, holds: int) -> tuple[str, str]:
-    """The refusal of in-flight sequences that outgrow an engine's KV cache, leading with the fix that works: the
-    ``max_num_seqs`` whose longest contexts the cache holds, then a larger cache where one can be had (no share of
-    a GPU covers a cache it would take more than the whole GPU to hold)."""
+def in_flight_kv_problem(cfg: R3RLConfig, engine_dtype: str, fit) -> tuple[str, str]:
+    """The refusal of in-flight sequences that outgrow an engine's KV cache (``memory.KvFit``, in vLLM's blocks),
+    leading with the fix that works: the ``max_num_seqs`` whose longest contexts the cache holds, then a larger cache
+    where one can be had (no share of a GPU covers a cache it would take more than the whole GPU to hold)."""
     from r3rl import memory
 
-    eng, sequences = cfg.rollout.engine, memory.in_flight_sequences(cfg)
-    length = -(-need // sequences)
-    fits = holds // length
-    fixes = [f"set rollout.engine.max_num_seqs={fits} (the sequences of {length} tokens the cache holds)"] \
+    eng = cfg.rollout.engine
+    fits = fit.blocks_held // fit.blocks_per_sequence
+    fixes = [f"set rollout.engine.max_num_seqs={fits} (the sequences of {fit.length} tokens the cache holds)"] \
         if fits >= 1 else []
-    if eng.kv_cache_memory_bytes is not None:
+    # the cache the blocks need, the null block included
+    need_bytes = (fit.blocks_needed + 1) * fit.block_size * memory.kv_bytes_per_token(cfg, engine_dtype)
+    if eng.kv_cache_memory_bytes is not None or cfg.parallelism.device == "cpu":
         key = "rollout.engine.kv_cache_memory_bytes"
-        fixes.append(f"raise {key} to {need * memory.kv_bytes_per_token(cfg, engine_dtype)}")
+        fixes.append(f"raise {key} to {need_bytes}")
     else:
         key = memory.engine_memory_share_key(cfg)
         share = memory.engine_memory_share(cfg)
-        # the KV cache is what the share leaves after the weights: scale that part, not the whole share
-        wanted = share * need / max(holds, 1)
+        # the KV cache is what the share leaves after the weights and the runtime: add what it lacks
+        wanted = share + (need_bytes - fit.kv_bytes) / (cfg.parallelism.gpu_memory_gib * memory.GIB)
         fixes.append(f"raise {key} to {wanted:.2f}" if wanted <= 0.95 else
                      f"no {key} covers it ({wanted:.2f} of a GPU would be needed)")
     fixes.append("lower " + ("algorithm.group_buffer" if cfg.algorithm.group_intake == "completion" else
                              "rollout.engine.max_concurrency"))
-    return key, (f"in_flight weight updates: {sequences} sequences in flight on an engine can grow to {need} tokens "
-                 f"of KV cache, which holds ~{holds}: vLLM would preempt and recompute requests, and one resumed "
-                 "after an update is recomputed by newer weights than the routes the trainer replays; "
-                 + "; or ".join(fixes))
+    return key, (f"in_flight weight updates: {fit.sequences} sequences in flight on an engine can grow to "
+                 f"{fit.length} tokens each, {fit.blocks_per_sequence} KV blocks of {fit.block_size} tokens, "
+                 f"{fit.blocks_needed} blocks in all, where the cache holds {fit.blocks_held} (vLLM's null block "
+                 "aside): vLLM would preempt and recompute requests, and one resumed after an update is recomputed "
+                 "by newer weights than the routes the trainer replays; " + "; or ".join(fixes))
 
 
 def disk_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:

@@ -379,21 +379,76 @@ IN_FLIGHT = ["parallelism=cpu", "algorithm.max_staleness=1", "correction=tis", "
 def test_in_flight_settings_whose_sequences_outgrow_the_kv_cache_are_refused_naming_the_key(intake):
     """vLLM preempts and recomputes running requests when its KV cache runs short, and a request preempted before an
     in-flight update and resumed after it is recomputed by the new weights while the trainer replays its first
-    forward's rows. The CPU default fits (256 running sequences of <= 144 tokens in 65,536 tokens of KV, 1 KiB a
-    token of the tiny bf16 model); 8 MiB does not. Fails if the plan ignored the in-flight sequences (the 8 MiB
-    config would pass and preempt), named no key, or refused the default."""
+    forward's rows. The CPU default fits (256 running sequences of <= 144 tokens, two blocks of 128 each, in 767
+    blocks of 96 MiB, 1 KiB a token of the tiny bf16 model); 8 MiB does not. Fails if the plan ignored the in-flight
+    sequences (the 8 MiB config would pass and preempt), named no key, or refused the default."""
     from r3rl import memory
+    from r3rl.config.modes import resolve_dtype
 
     cfg = compose([*IN_FLIGHT, *intake])
     assert memory.kv_bytes_per_token(cfg, "bfloat16") == 4 * 2 * 2 * 32 * 2
     assert memory.in_flight_sequences(cfg) == 256
+    fit = memory.in_flight_kv_fit(cfg, "bfloat16", build_plan(cfg).memory)
+    assert (fit.block_size, fit.blocks_per_sequence, fit.blocks_needed, fit.blocks_held) == (128, 2, 512, 767)
+    assert resolve_dtype(cfg.rollout.engine.dtype, "cpu") == "bfloat16"
     with pytest.raises(ConfigError) as info:
         compose([*IN_FLIGHT, *intake, "rollout.engine.kv_cache_memory_bytes=8388608"])
     (key, reason), = info.value.problems
-    assert key == "rollout.engine.kv_cache_memory_bytes" and "256 sequences" in reason and "36864 tokens" in reason
+    assert key == "rollout.engine.kv_cache_memory_bytes" and "256 sequences" in reason and "512 blocks" in reason
     assert ("algorithm.group_buffer" if intake else "rollout.engine.max_concurrency") in reason
     # between batches nothing is recomputed under other weights: the same KV cache is no problem there
     compose(["parallelism=cpu", "rollout.engine.kv_cache_memory_bytes=8388608"])
+
+
+def test_the_kv_fit_counts_vllm_blocks_and_its_null_block():
+    """vLLM allocates whole blocks and keeps one aside: 64 MiB is 65,536 tokens of the tiny model, room for 455
+    sequences of 144 tokens counted in tokens, but 256 sequences take 2 blocks of 128 each, 512 blocks, and the cache
+    holds 511 once the null block is aside: refused (what the CPU default was before its cache grew to 96 MiB). A
+    --block-size of 16 in the engine's extra_args packs them into 9 blocks each, 2,304 of 4,095: accepted. Fails if
+    the fit went back to tokens (it would pass at 64 MiB), forgot the null block (512 of 512 would pass), or ignored
+    the engine's own --block-size."""
+    from r3rl import memory
+
+    at_64 = [*IN_FLIGHT, "rollout.engine.kv_cache_memory_bytes=67108864"]
+    cfg = compose(["parallelism=cpu", "algorithm.max_staleness=1", "correction=tis",
+                   "rollout.engine.kv_cache_memory_bytes=67108864"])
+    tokens = 67108864 // memory.kv_bytes_per_token(cfg, "bfloat16")
+    assert tokens == 65536 and 256 * 144 < tokens
+    with pytest.raises(ConfigError, match="512 blocks in all, where the cache holds 511") as info:
+        compose(at_64)
+    assert "rollout.engine.max_num_seqs=255" in str(info.value)
+    sixteen = compose([*at_64, "rollout.engine.extra_args=[--block-size,16]"])
+    fit = memory.in_flight_kv_fit(sixteen, "bfloat16", build_plan(sixteen).memory)
+    assert (fit.block_size, fit.blocks_per_sequence, fit.blocks_needed, fit.blocks_held) == (16, 9, 2304, 4095)
+
+
+def test_on_gpus_the_kv_cache_is_the_share_less_weights_and_runtime():
+    """On a GPU the engine's share holds its weights, its runtime (CUDA graphs, the profiled activations, NCCL) and the
+    KV cache in what is left: the in-flight check compares with the cache alone. Fails if the plan counted the
+    runtime as KV cache (the check would pass sequences vLLM cannot hold) or left the runtime out of the share."""
+    from r3rl import memory
+
+    cfg = compose(["experiment=qwen3_30b_r3_4p4"])
+    plan = build_plan(cfg).memory
+    rollout = {p.name: p.bytes for g in plan.gpus for role, p in g.parts if role == "rollout"}
+    share = int(memory.engine_memory_share(cfg) * plan.budget_bytes)
+    assert rollout["engine runtime"] == memory.ENGINE_RUNTIME_BYTES
+    assert rollout["engine KV cache"] == share - rollout["engine weights"] - memory.ENGINE_RUNTIME_BYTES
+    assert memory.engine_kv_bytes(plan) == rollout["engine KV cache"]
+
+
+def test_an_in_flight_run_whose_kv_cache_is_not_planned_says_it_is_unchecked():
+    """Without a GPU budget (or with an attached engine) the plan cannot size the KV cache, so the in-flight fit is
+    not checked: the launch says so, naming the key, instead of passing in silence. Fails if an unplanned cache read as
+    checked (no warning), or a planned one warned."""
+    from r3rl import memory
+
+    gpu = ["experiment=qwen3_30b_r3_4p4", "algorithm.max_staleness=1", "correction=tis",
+           "algorithm.weight_update=in_flight"]
+    unset = compose([*gpu, "parallelism.gpu_memory_gib=null"])
+    assert "parallelism.gpu_memory_gib is unset" in memory.kv_cache_unplanned(unset, build_plan(unset).memory)
+    planned = compose(IN_FLIGHT)
+    assert memory.kv_cache_unplanned(planned, build_plan(planned).memory) is None
 
 
 def test_lora_on_one_node_fits_and_the_plan_shows_what_it_saves():
