@@ -1,6 +1,6 @@
 """Engine throughput with and without ``--enable-return-routed-experts``, side by side on the same runner.
 
-    python bench/engine_r3_overhead.py [--prompts 16] [--prompt-len 64] [--max-tokens 64] [--repeats 2]
+    python bench/engine_r3_overhead.py [--prompts 16] [--prompt-len 64] [--max-tokens 64] [--repeats 6]
                                        [override ...]   # Hydra overrides, e.g. rollout.engine.dtype=float32
 
 Both engines come from the same plan (``rollout=vllm_r3`` and ``rollout=vllm``; both run Model Runner V2, see

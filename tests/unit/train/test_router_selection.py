@@ -115,3 +115,39 @@ def test_rounding_reach_counts_the_logits_and_the_router_inputs_rounding(case):
     plain = torch.topk(logits, k + 1, dim=-1)
     assert (rounding_reach(hidden, logits, plain, k, softmax, u) >= u * plain.values[:, k - 1:k + 1].double()
             .abs().sum(-1)).all()
+
+
+@pytest.mark.parametrize("engine", ["bf16 gate (Qwen3)", "float32 gate on bf16 inputs (GLM-4.5)"])
+def test_rounding_reach_holds_every_flip_of_real_bfloat16_arithmetic(engine):
+    """Against an engine computed for real, not the reach's own model: torch's bfloat16 matmul of bf16 hidden states
+    and bf16 router weights with a bf16 output (Qwen3's gate), or vLLM's float32 GLM-4.5 gate over bf16 hidden
+    states with a sigmoid and a correction bias. Every row whose top-k set differs from the float32 trainer's (about
+    0.3-0.8% of 20,000) must lie within the reach, and the reach must not be vacuous (under a tenth of the rows).
+    Fails if the reach dropped the input's rounding (flips escape on both engines) or the logit's own rounding
+    (flips escape the bf16 gate), which the planted variants below show."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(20000, 64), torch.randn(EXPERTS, 64) * 0.3
+    sigmoid = engine.startswith("float32")
+    config = types.SimpleNamespace(moe_router_score_function="sigmoid" if sigmoid else "softmax",
+                                   moe_router_num_groups=None, moe_router_group_topk=None, moe_router_topk=TOPK)
+    router = types.SimpleNamespace(config=config, weight=weight,
+                                   expert_bias=torch.randn(EXPERTS) * 0.3 if sigmoid else None)
+    logits = hidden @ weight.T
+    top = torch.topk(selection_scores(logits, router), TOPK + 1, dim=-1)
+    engine_logits = hidden.bfloat16().float() @ weight.T if sigmoid else \
+        (hidden.bfloat16() @ weight.bfloat16().T).float()
+    picked = torch.topk(selection_scores(engine_logits, router), TOPK, dim=-1).indices
+    flipped = (as_sets(picked) != as_sets(top.indices[:, :TOPK])).any(-1)
+    margin = (top.values[:, TOPK - 1] - top.values[:, TOPK]).double()
+    u = 2.0 ** -8
+    reach = rounding_reach(hidden, logits, top, TOPK, router, u)
+    assert flipped.sum() >= 50 and not (flipped & (margin >= reach)).any()
+    assert (margin < reach).double().mean() < 0.1
+    # planted: the reach without the input's rounding, and (for the bf16 gate) without the logit's own
+    pair = top.indices[:, TOPK - 1:TOPK + 1]
+    x = logits.gather(1, pair).double()
+    slope = torch.sigmoid(x) * (1 - torch.sigmoid(x)) if sigmoid else 1.0
+    assert (flipped & (margin >= u * (slope * x.abs()).sum(-1))).any()
+    if not sigmoid:
+        spread = torch.sqrt(hidden.square() @ weight.square().T).gather(1, pair).double()
+        assert (flipped & (margin >= u * spread.sum(-1))).any()

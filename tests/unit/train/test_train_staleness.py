@@ -16,10 +16,10 @@ from r3rl.train.staleness import (StaleVersionError, drop_stale, must_sync, stal
                                   token_versions)
 
 
-def sample(index: int, version: int | None) -> Sample:
+def sample(index: int, version: int | None, length: int = 4) -> Sample:
     return Sample(index=index, group=index // 2, request_id=f"r{index}", prompt_ids=np.arange(3, dtype=np.int32),
-                  response_ids=np.arange(4, dtype=np.int32), rollout_logprobs=np.zeros(4, dtype=np.float32),
-                  loss_mask=np.ones(4, dtype=np.float32), finish_reason="stop", status=SampleStatus.COMPLETED,
+                  response_ids=np.arange(length, dtype=np.int32), rollout_logprobs=np.zeros(length, dtype=np.float32),
+                  loss_mask=np.ones(length, dtype=np.float32), finish_reason="stop", status=SampleStatus.COMPLETED,
                   weight_version=version)
 
 
@@ -32,14 +32,16 @@ def test_groups_holding_a_sample_past_the_bound_leave_the_loss_whole_and_are_cou
     """Samples 0, 1 (group 0) are fresh; sample 3 of group 1 is 2 versions old at bound 1, so group 1 (samples 2
     and 3) leaves the loss whole. Fails if a stale sample kept its loss mask (it would train off-policy past the
     bound), if its fresh group mate stayed (its advantage is centred on a mean that counts the dropped sample), if a
-    fresh group lost it, or if the batch changed shape (the optimizer steps are counted from it)."""
-    batch = [sample(0, 4), sample(1, 4), sample(2, 3), sample(3, 2)]
+    fresh group lost it, if the batch changed shape (the optimizer steps are counted from it), or if the evicted
+    length were the kept samples' or the batch's (the three differ here)."""
+    batch = [sample(0, 4), sample(1, 4), sample(2, 3, length=10), sample(3, 2, length=6)]
     kept, stats = drop_stale(batch, 4, 1)
     assert len(kept) == 4
     assert [float(s.loss_mask.sum()) for s in kept] == [4.0, 4.0, 0.0, 0.0]
-    assert batch[3].loss_mask.sum() == 4.0, "the caller's sample is left as it was"
+    assert batch[3].loss_mask.sum() == 6.0, "the caller's sample is left as it was"
+    # the evicted group's own lengths (10 and 6), not the kept samples' 4 nor the batch's 6
     assert stats == {M.STALENESS_MEAN: 0.75, M.STALENESS_MAX: 2.0, M.DROPPED_STALE: 2.0,
-                     M.EVICTED_RESPONSE_LENGTH_MEAN: 4.0}
+                     M.EVICTED_RESPONSE_LENGTH_MEAN: 8.0}
     assert M.EVICTED_RESPONSE_LENGTH_MEAN not in drop_stale(batch[:2], 4, 1)[1]  # nothing evicted: no figure
 
 
