@@ -15,8 +15,8 @@ engine that runs 4 sequences at a time (``rollout.engine.max_num_seqs``). Forced
 would not write, so the held-out gain here is no learning figure (docs/async.md has the default recipe's). Step 1
 is left out of the rates (an overlapped run generates its first batch alone). Printed per mode: trained samples per second (as a ratio to in turn), the engine's idle share
 during the steps (``/metrics``: no request running or waiting, polled every 0.1 s), staleness per token, the share
-of samples spanning two versions, the samples evicted as stale, the groups that overtook a slower one, the mismatch with and without replay over the tokens of the current and of older
-weight versions, and the held-out gain (eval at step 0 and the last step, paired over prompts, clustered by problem).
+of samples spanning two versions, the samples evicted as stale, the groups that overtook a slower one, the mismatch with and without replay (over the same steps) over the tokens of the current and of
+older weight versions (a current-version token's KV prefix may be the older weights', so its mismatch holds that lag), and the held-out gain (eval at step 0 and the last step, paired over prompts, clustered by problem).
 Last line, for in flight with completion order: ``inflight: samples/s in-flight / one-step-ahead <r>; spanning
 samples <s>; older-version tokens replay/no-replay <q>`` (s: the share of samples whose tokens span two versions,
 mean over steps 2..N).
@@ -134,6 +134,16 @@ def mean(rows: list[dict], key: str) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
+def paired(rows: list[dict], a: str, b: str) -> tuple[float, float]:
+    """The means of ``a`` and ``b`` over the same steps (2 on), those where both were logged: with
+    ``replay.no_replay_every`` > 1 the unreplayed figure is logged on some steps only, and a ratio of means over
+    different steps would be partly the steps'."""
+    both = [(r[a], r[b]) for r in rows[1:] if a in r and b in r and not (math.isnan(r[a]) or math.isnan(r[b]))]
+    if not both:
+        return math.nan, math.nan
+    return statistics.fmean(x for x, _ in both), statistics.fmean(y for _, y in both)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -179,13 +189,16 @@ def main() -> None:
     row("samples out of the loss as stale, per step", lambda r: f"{mean(r['rows'], M.DROPPED_STALE):.1f}")
     row("engine preemptions, per step", lambda r: f"{mean(r['rows'], M.PREEMPTIONS):.1f}")
     row("groups overtaking a slower one, per step", lambda r: f"{mean(r['rows'], M.GROUPS_OVERTAKING):.1f}")
-    for which in ("current", "older"):
-        for key, what in ((M.LOGPROB_ABS_DIFF_VERSION_TOKENS, "replay"),
-                          (M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS, "no replay")):
-            row(f"mismatch, {which}-version tokens, {what}",
-                lambda r, k=key.format(which=which): f"{mean(r['rows'], k):.3g}")
-    row("mismatch, all tokens, replay / no replay", lambda r: f"{mean(r['rows'], M.LOGPROB_ABS_DIFF):.3g} / "
-                                                          f"{mean(r['rows'], M.LOGPROB_ABS_DIFF_NO_REPLAY):.3g}")
+    # replayed and unreplayed over the same steps; a current-version token's mismatch still holds the KV lag: the
+    # prefix it attended to was computed under the older weights where an update landed inside its request
+    for which, what in (("current", "current-version tokens (their KV prefix may be older weights')"),
+                        ("older", "older-version tokens")):
+        row(f"mismatch, {what}, replay / no replay",
+            lambda r, w=which: "{:.3g} / {:.3g}".format(*paired(
+                r["rows"], M.LOGPROB_ABS_DIFF_VERSION_TOKENS.format(which=w),
+                M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS.format(which=w))))
+    row("mismatch, all tokens, replay / no replay",
+        lambda r: "{:.3g} / {:.3g}".format(*paired(r["rows"], M.LOGPROB_ABS_DIFF, M.LOGPROB_ABS_DIFF_NO_REPLAY)))
     row("held-out gain +- se (clustered by problem)", lambda r: f"{r['gain'][0]:+.3f} +- {r['gain'][1]:.3f}")
     Console(width=160).print(table)
     if not {"one step ahead", "in flight", "completion order"} <= set(results):
@@ -196,7 +209,8 @@ def main() -> None:
     flight = results["completion order"]
     older = M.LOGPROB_ABS_DIFF_VERSION_TOKENS.format(which="older")
     older_no = M.LOGPROB_ABS_DIFF_NO_REPLAY_VERSION_TOKENS.format(which="older")
-    q = mean(flight["rows"], older) / mean(flight["rows"], older_no)
+    replayed, unreplayed = paired(flight["rows"], older, older_no)
+    q = replayed / unreplayed
     s = mean(flight["rows"], M.SPANNING_VERSIONS_SHARE)
     last = (f"inflight: samples/s in-flight / one-step-ahead {flight['rate'] / ahead['rate']:.2f}; "
             f"spanning samples {s:.2f}; older-version tokens replay/no-replay {q:.2f}")
