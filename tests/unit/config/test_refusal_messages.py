@@ -47,13 +47,16 @@ def test_a_bad_key_is_reported_alone_with_the_value_it_got():
 
 def test_the_in_flight_kv_refusal_leads_with_the_max_num_seqs_that_fits():
     """When the KV cache cannot hold the in-flight sequences, raising the memory share is no fix where no share of a
-    GPU can cover it. Fails if the refusal does not lead with a rollout.engine.max_num_seqs that fits (56 sequences
-    of 144 tokens in 8,192 tokens of cache), or that value would not pass."""
+    GPU can cover it. Fails if the refusal does not lead with a rollout.engine.max_num_seqs that fits (31 sequences
+    of 144 tokens, two blocks of 128 each, in the 63 blocks of 8 MiB with vLLM's null block aside), or that value
+    would not pass, or one more would."""
     in_flight = ["parallelism=cpu", "algorithm.max_staleness=1", "correction=tis", "algorithm.weight_update=in_flight",
                  "rollout.engine.kv_cache_memory_bytes=8388608"]
     with pytest.raises(ConfigError) as err:
         compose(in_flight)
     (key, reason), = err.value.problems
     fix = reason.split("; ", 1)[1]
-    assert fix.startswith("set rollout.engine.max_num_seqs=56 "), reason
-    compose([*in_flight, "rollout.engine.max_num_seqs=56"])
+    assert fix.startswith("set rollout.engine.max_num_seqs=31 "), reason
+    compose([*in_flight, "rollout.engine.max_num_seqs=31"])
+    with pytest.raises(ConfigError, match="64 blocks in all, where the cache holds 63"):
+        compose([*in_flight, "rollout.engine.max_num_seqs=32"])

@@ -1,6 +1,6 @@
 """The recipe's per-step preemption figures (``GRPORecipe.preemptions``, by batch window:
 ``engine_metrics.PreemptionWindows``). The engine's counter is a stand-in here:
-a preemption under an in-flight update is what the launch refuses (r3rl.memory.in_flight_kv_shortfall), so a real
+a preemption under an in-flight update is what the launch refuses (r3rl.memory.in_flight_kv_fit), so a real
 run cannot be made to show one; the counter itself is read from a real engine in
 tests/integration/rollout/test_engine_metrics.py."""
 
