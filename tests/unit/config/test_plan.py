@@ -195,7 +195,7 @@ def test_gpu_batch_settings_come_from_the_plan(compose_cfg):
     four = compose(["experiment=qwen3_30b_r3_4p4"])
     assert engine_concurrency(four) == 32 * 8 and four.trainer.max_tokens_per_micro_batch == 9216
     settings = describe(four, build_plan(four))["batch_settings"]
-    assert "in 1 wave(s)" in settings["rollout"]["why"] and "253 sequences" in settings["rollout"]["kv_cache"]
+    assert "in 1 wave(s)" in settings["rollout"]["why"] and "243 sequences" in settings["rollout"]["kv_cache"]
     assert "counted for 9216 tokens" in settings["trainer"]["why"]
     colocated = compose(["experiment=qwen3_30b_r3_colocated"])  # two engines
     assert engine_concurrency(colocated) == 128 and colocated.trainer.checkpoint.sharding == "dp_reshardable"

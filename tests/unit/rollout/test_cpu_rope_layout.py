@@ -5,9 +5,14 @@ rows, while the op's torch implementation takes any layout."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+# before any of vLLM's Triton modules is imported, as in the CPU engine (and as the interpreter tests beside this one
+# need: a Triton imported without it stays compiled for the rest of the session)
+os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("vllm._custom_ops")
 
 from r3rl.config import compose  # noqa: E402
