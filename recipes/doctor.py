@@ -63,6 +63,8 @@ class Doctor(GRPORecipe):
         with console.status("doctor: the trainer's passes without and with replay, and their controls"):
             live = self.trainers.call("logprobs", batch, replay=False)
             replayed = self.trainers.call("logprobs", batch, replay=True) if routed else None
+            # check 3's drift at depth, on the batch's own weights (the weight sync check trains a step)
+            drift = self.trainers.call("rounding_drift", batch) if routed else None
         unreplayed_diff = C.mean_abs_diff(live.logprobs, samples)
 
         def replay_check() -> Check:
@@ -86,7 +88,7 @@ class Doctor(GRPORecipe):
             # teacher-forced: the replayed pass's own router choices against the engine's routes, layer by layer
             return C.routes_are_the_models(replayed.flip_per_layer, replayed.reachable_per_layer,
                                            replayed.rows_per_layer, self.near_miss_flips, control.flip_per_layer,
-                                           unreplayed_diff, engine_dtype=engine_dtype)
+                                           unreplayed_diff, engine_dtype=engine_dtype, drift=drift)
 
         self.check("routes are the model's", routes_check if routed else
                    lambda: C.skipped("routes are the model's", no_routes))

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from r3rl.rollout.auth import MIDDLEWARE, TOKEN_ENV
 from r3rl.rollout.verify import verify_samples
 from r3rl.route_trace import BOUNDARIES, TraceReport
 from r3rl.sample import Sample
+
+if TYPE_CHECKING:  # the trainer's side (torch) is never imported to judge its figures
+    from r3rl.train.logprob_pass import DriftResult
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # the checks in the order docs/doctor.md numbers them, the engine token first
@@ -33,11 +36,11 @@ ORDER = ("engine token", "engine capture", "layer map", "routes are the model's"
 # moves a router logit x = w . h by u|x| where the engine rounds the logit (Qwen3's gate outputs the engine's dtype)
 # and by about u ||w * h||_2 where it rounds the router's input (vLLM's GLM-4.5 gate computes in float32 and sees
 # only this); a sigmoid router's score moves by the sigmoid's slope times that (``r3rl.train.replay.rounding_reach``).
-# The route probe counts per layer the rows whose margin is within that reach (``reachable``). A layer's bound is
-# that share plus two binomial standard errors and FLIP_ROWS rows (kernels' accumulation order moves float32 logits
-# by more than float32's own u). Measured on the tiny models in bf16 (docs/doctor.md): Qwen3's sound stack flips
-# 0.12-0.81% a layer under bounds of 1.1-2.7%, its routes a step away 2.3-2.5%; GLM-4.5's flips 0.06-0.69% under
-# 1.2%, a step away 1.8-1.9%.
+# The router's input itself carries the rounding of every layer before it, which grows with depth: the drift pass
+# (``r3rl.train.drift``) measures per row how far it moves the margin and adds that to the reach. The route probe
+# counts per layer the rows whose margin is within the reach (``reachable``). A layer's bound is that share plus two
+# binomial standard errors and FLIP_ROWS rows (kernels' accumulation order moves float32 logits by more than
+# float32's own u). Measured on the tiny models and on 24- and 48-layer stand-ins: docs/doctor.md.
 FLIP_ROWS = 3
 # Mean |trainer - engine| log-prob per response token the engine's dtype alone explains (the tiny model: ~2e-3 in
 # bf16, ~1e-6 in float32; large models in bf16: 1e-2 .. 3e-2, r3-contract.md §3)
@@ -144,13 +147,18 @@ def flip_bounds(reachable_per_layer: np.ndarray, rows_per_layer: np.ndarray) -> 
 
 def routes_are_the_models(flip_per_layer: np.ndarray, reachable_per_layer: np.ndarray, rows_per_layer: np.ndarray,
                           near_miss_flip_per_layer: np.ndarray | None, control_flip_per_layer: np.ndarray,
-                          logprob_diff: float, *, engine_dtype: str) -> Check:
+                          logprob_diff: float, *, engine_dtype: str, drift: DriftResult | None = None) -> Check:
     """Teacher-forced (the engine's routes replayed into the layers before), each layer's router picks the engine's
     top-k set on all rows but those the engine's precision can flip (``flip_bounds``), and the log-probs agree within
     the dtype's tolerance. Two controls must exceed the bound on some layer: random well-formed routes (another
-    model's), and the near miss, the routes of this model a training step away (an engine that missed a sync)."""
+    model's), and the near miss, the routes of this model a training step away (an engine that missed a sync).
+    ``reachable_per_layer``: the rows one rounding of the router's logits and inputs can flip; ``drift``, where the
+    drift pass ran (``r3rl.train.drift``), widens them per layer by the hidden-state drift measured at that depth."""
     name = "routes are the model's"
     flips = np.asarray(flip_per_layer, dtype=np.float64)
+    rounding_only = reachable_per_layer
+    if drift is not None:
+        reachable_per_layer = drift.reachable_per_layer
     bounds, tol = flip_bounds(reachable_per_layer, rows_per_layer), LOGPROB_TOLERANCE.get(engine_dtype, 5e-2)
     over = flips - bounds
     control = np.asarray(control_flip_per_layer, dtype=np.float64)
@@ -160,14 +168,28 @@ def routes_are_the_models(flip_per_layer: np.ndarray, reachable_per_layer: np.nd
               "rows_per_layer": [int(x) for x in rows_per_layer],
               "control_flip_per_layer": control.tolist(),
               "near_miss_flip_per_layer": None if near is None else near.tolist(),
-              "logprob_abs_diff_no_replay": logprob_diff, "logprob_tolerance": tol}
+              "logprob_abs_diff_no_replay": logprob_diff, "logprob_tolerance": tol,
+              "rounding_reachable_per_layer": [float(x) for x in rounding_only]}
     u = M.UNIT_ROUNDOFF.get(engine_dtype, float("nan"))
+    drifted = ""
+    if drift is not None:
+        values |= {"drift_move_over_reach_per_layer": [float(x) for x in drift.move_over_reach_per_layer],
+                   "drift_flip_per_layer": [float(x) for x in drift.flip_per_layer], "drift_scale": drift.scale}
+        drifted = (f", or that {drift.scale:.2f} x the drift of its margin closes (measured: the replayed pass again "
+                   f"with the engine's rounding at every layer's outputs, its move {_span(drift.move_over_reach_per_layer)}"
+                   f" x the rounding reach)")
     why = (f"flips per layer <= {', '.join(f'{b:.2%}' for b in bounds)}: the layer's rows whose router margin a "
            f"{engine_dtype} engine's rounding can close (u = {u:.3g}; a logit x = w.h moves by u|x| + u||w*h||_2, "
-           f"rounded itself and through its input; a sigmoid score by its slope times that), plus 2 binomial standard "
-           f"errors and {FLIP_ROWS} rows; |dlogp| <= {tol:.0e}, what a {engine_dtype} engine's rounding alone explains")
+           f"rounded itself and through its input; a sigmoid score by its slope times that){drifted}, plus 2 binomial "
+           f"standard errors and {FLIP_ROWS} rows; |dlogp| <= {tol:.0e}, what a {engine_dtype} engine's rounding "
+           f"alone explains")
     return dataclasses.replace(_routes_verdict(name, flips, bounds, over, control, near, logprob_diff, tol, values),
                                bound=why)
+
+
+def _span(per_layer) -> str:
+    x = np.asarray(per_layer, dtype=np.float64)
+    return f"{np.nanmin(x):.2f}-{np.nanmax(x):.2f}" if np.isfinite(x).any() else "not measured"
 
 
 def _routes_verdict(name: str, flips: np.ndarray, bounds: np.ndarray, over: np.ndarray, control: np.ndarray,

@@ -16,7 +16,7 @@ from r3rl.sample import Sample
 from r3rl.train import collect, hardware
 from r3rl.train.batch import MicroBatch, build_micro_batch, plan_micro_batches, plan_packed_micro_batches, \
     plan_token_micro_batches
-from r3rl.train.replay import ProbeCounts, RouteProbe
+from r3rl.train.replay import DriftReference, ProbeCounts, RouteProbe
 from r3rl.train.routes import check_routes
 
 
@@ -105,10 +105,12 @@ class ForwardPasses:
                                cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
 
     def _forward_only(self, model, samples: Sequence[Sample], *, replay: bool, probe_routes: list | None,
-                      driver_routers: list | None = None, recorded: dict | None = None
+                      driver_routers: list | None = None, recorded: dict | None = None,
+                      drift_reference: DriftReference | None = None
                       ) -> tuple[dict[int, np.ndarray], RouteProbe | None]:
         """No-grad pass over all samples; returns this rank's response log-probs by sample index and the route probe
         (its counts and, under ``debug.route_trace`` with replay, its digests: this rank's part of each).
+        ``drift_reference``: the doctor's drift pass (``LogprobPasses.rounding_drift``) keeps or reads its rows.
 
         ``recorded``: a dict that receives, per sample index, this rank's recorded top-k rows per layer (the
         routers route themselves under Megatron's RECORD; never with ``replay``)."""
@@ -120,8 +122,8 @@ class ForwardPasses:
         results: dict[int, np.ndarray] = {}
         probe = RouteProbe(driver_routers, self.cfg.model.num_moe_layers, self.layout, routes,
                            [s.loss_mask for s in samples], trace=replay and self.cfg.debug.route_trace,
-                           soft_ratio=self.soft_ratio, unit_roundoff=self.engine_unit_roundoff
-                           ) if (driver_routers and routes is not None) else None
+                           soft_ratio=self.soft_ratio, unit_roundoff=self.engine_unit_roundoff,
+                           drift_reference=drift_reference) if (driver_routers and routes is not None) else None
         if replay and model is not self.model:
             raise RuntimeError("routes are replayed into the policy model only, never a reference model (P12)")
         model.eval()

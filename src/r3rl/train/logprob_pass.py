@@ -13,10 +13,10 @@ import torch
 from r3rl import metrics as M
 from r3rl import route_trace
 from r3rl.sample import Sample
-from r3rl.train import collect
+from r3rl.train import collect, drift
 from r3rl.train.batch import MicroBatch
 from r3rl.train.forward import ForwardPasses
-from r3rl.train.replay import RouteProbe
+from r3rl.train.replay import DriftReference, ProbeCounts, RouteProbe
 
 
 @dataclass
@@ -58,8 +58,33 @@ class LogprobResult:
         return float("nan")
 
 
+@dataclass
+class DriftResult:
+    """The doctor's drift pass (``LogprobPasses.rounding_drift``), per layer over the response rows: the share whose
+    margin is within the engine's rounding reach plus the drift measured on the row (check 3's reachable rows), the
+    share whose own top-k the emulated rounding changed, and the drift's mean margin move in units of the rounding
+    reach (how much more than one rounding the depth adds); ``scale`` the factor on the measured move."""
+
+    reachable_per_layer: np.ndarray
+    flip_per_layer: np.ndarray
+    move_over_reach_per_layer: np.ndarray
+    rows_per_layer: np.ndarray
+    scale: float
+
+
+# the drift pass's chunk: the unperturbed pass keeps ~36 bytes per row and MoE layer for the perturbed one to read
+# (32 samples of 8k tokens on 48 layers: ~0.4 GB of device memory)
+DRIFT_CHUNK_SAMPLES = 32
+
+
+def per_row(total: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """A per-layer count over the rows it was counted on; NaN where a layer saw none."""
+    return np.where(rows > 0, total / np.maximum(rows, 1), np.nan).astype(np.float64)
+
+
 class LogprobPasses(ForwardPasses):
-    """No-grad passes of ``MegatronTrainer`` (it mixes this in); also reads its ``routers`` and ``ref_model``."""
+    """No-grad passes of ``MegatronTrainer`` (it mixes this in); also reads its ``routers``, ``ref_model``, ``bare``
+    (the unwrapped model) and ``settings``."""
 
     def logprobs(self, samples: Sequence[Sample], *, replay: bool, record: bool = False) -> LogprobResult:
         """Response log-probs of every sample (no grad), replaying the rollout routes or with live routing.
@@ -85,9 +110,6 @@ class LogprobPasses(ForwardPasses):
         if probe is None:
             return LogprobResult(logprobs, np.full(num_layers, np.nan), None, 0, own)
         counts = self._reduce_counts(probe.counts)
-        def per_row(total: np.ndarray, rows: np.ndarray) -> np.ndarray:
-            return np.where(rows > 0, total / np.maximum(rows, 1), np.nan).astype(np.float64)
-
         flips, prompt = per_row(counts.flips, counts.routed_rows), per_row(counts.prompt_flips, counts.prompt_rows)
         margins_known = self.cfg.model.num_experts > self.cfg.model.moe_topk
         margin = per_row(counts.margin_sum, counts.routed_rows) if margins_known else np.full(num_layers, np.nan)
@@ -98,6 +120,40 @@ class LogprobPasses(ForwardPasses):
         matched = (mismatches == 0 and bool((counts.replay_rows > 0).all())) if replay else None
         return LogprobResult(logprobs, flips, matched, mismatches, own, prompt, margin, small, max_vio,
                              self._route_trace(samples, probe), reachable, counts.routed_rows.copy())
+
+    def rounding_drift(self, samples: Sequence[Sample], emulated_roundoff: float | None = None) -> DriftResult:
+        """Two replayed passes over ``samples``: as they are, then with the engine's rounding emulated at every
+        decoder layer (``r3rl.train.drift.engine_rounding``); the probe compares each row's router margin between
+        them. Both replay the engine's routes, so what moves is numerics alone, propagated through this model's
+        depth. ``emulated_roundoff``: the unit roundoff emulated (the engine's by default; 0 moves nothing, which
+        tests pair the two passes with)."""
+        if self.replay is None:
+            raise RuntimeError("rounding_drift needs a model built with routing replay (replay=r2|r3)")
+        routes = self._validated_routes(samples, required=True)
+        scale = drift.drift_scale(drift.trainer_unit_roundoff(self.settings.dtype), self.engine_unit_roundoff)
+        u = self.engine_unit_roundoff if emulated_roundoff is None else emulated_roundoff
+        total = None
+        # chunk by chunk: the unperturbed pass's rows wait on the device for the perturbed one (every router's rows
+        # of a chunk, not of a GPU run's whole batch)
+        for start in range(0, len(samples), DRIFT_CHUNK_SAMPLES):
+            chunk, chunk_routes = samples[start:start + DRIFT_CHUNK_SAMPLES], routes[start:start + DRIFT_CHUNK_SAMPLES]
+            reference = DriftReference(scale=scale)
+            self._forward_only(self.model, chunk, replay=True, probe_routes=chunk_routes, driver_routers=self.routers,
+                               drift_reference=reference)
+            reference.keeping = False
+            with drift.engine_rounding(self.bare, u, self.cfg.run.seed + start):
+                _, probe = self._forward_only(self.model, chunk, replay=True, probe_routes=chunk_routes,
+                                              driver_routers=self.routers, drift_reference=reference)
+            part = probe.counts.as_tensor()
+            total = part if total is None else total + part
+        m = self.cfg.model
+        counts = self._reduce_counts(ProbeCounts.from_tensor(total, m.num_moe_layers, m.num_experts))
+        rows = counts.routed_rows
+        if self.cfg.model.num_experts <= self.cfg.model.moe_topk:  # every expert routed: no margin, no flip
+            nan = np.full(len(rows), np.nan)
+            return DriftResult(nan, nan, nan, rows.copy(), scale)
+        return DriftResult(per_row(counts.drift_reachable, rows), per_row(counts.drift_flips, rows),
+                           per_row(counts.drift_over_reach, rows), rows.copy(), scale)
 
     def _route_trace(self, samples: Sequence[Sample], probe: RouteProbe) -> dict[str, list[str | None]] | None:
         """``debug.route_trace``: per sample, the digest of its tokens and routes as this rank received them, and of

@@ -262,7 +262,10 @@ class ProbeCounts:
     (row, slot) pairs whose rollout expert the filter replaced (``replaced_slots``; the routing map is then checked
     against the filtered routes); and the response rows whose margin is within the engine's rounding reach
     (``rounding_reach``, u the unit roundoff of the engine's dtype; ``reachable``: the rows the engine's precision
-    alone can flip by rounding the router's logits and inputs)."""
+    alone can flip by rounding the router's logits and inputs); in a drift pass (``drift_reference``), the response
+    rows whose margin is within that reach plus the drift the pass measured on the row (``drift_reachable``), the
+    rows whose top-k the drift changed (``drift_flips``), and the sum over the rows of the drift's margin move over
+    the rounding reach (``drift_over_reach``)."""
 
     routed_rows: np.ndarray
     flips: np.ndarray
@@ -275,13 +278,17 @@ class ProbeCounts:
     expert_load: np.ndarray
     replaced_slots: np.ndarray
     reachable: np.ndarray
+    drift_reachable: np.ndarray
+    drift_flips: np.ndarray
+    drift_over_reach: np.ndarray
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> "ProbeCounts":
         counts = [np.zeros(num_layers, dtype=np.int64) for _ in range(6)]
         return cls(*counts, np.zeros(num_layers), np.zeros(num_layers, dtype=np.int64),
                    np.zeros((num_layers, num_experts), dtype=np.int64), np.zeros(num_layers, dtype=np.int64),
-                   np.zeros(num_layers, dtype=np.int64))
+                   np.zeros(num_layers, dtype=np.int64), np.zeros(num_layers, dtype=np.int64),
+                   np.zeros(num_layers, dtype=np.int64), np.zeros(num_layers))
 
     def as_tensor(self) -> torch.Tensor:
         """Every field flattened into one float64 vector (one collective; counts stay exact below 2^53)."""
@@ -362,6 +369,28 @@ class _Expected:
         return self._on
 
 
+@dataclass
+class DriftReference:
+    """Between a drift pass's two passes (``r3rl.train.drift``): per router call of the unperturbed pass, in call
+    order, its rows' top k+1 indices, own top-k, margins and rounding reach, on the device. ``scale``: how much
+    further the engine is than the emulated rounding (``drift.drift_scale``)."""
+
+    scale: float = 1.0
+    keeping: bool = True
+    kept: list = dataclasses.field(default_factory=list)
+    _read: int = 0
+
+    def next(self, rows: int) -> tuple:
+        if self._read >= len(self.kept):
+            raise RuntimeError("drift pass: the perturbed pass called more routers than the unperturbed one")
+        entry = self.kept[self._read]
+        self._read += 1
+        if len(entry[2]) != rows:
+            raise RuntimeError(f"drift pass: router call {self._read - 1} saw {rows} rows, the unperturbed pass "
+                               f"{len(entry[2])}: the two passes did not run the same micro batches")
+        return entry
+
+
 class RouteProbe:
     """Forward hooks on the routers of a no-grad pass that compare, on every row holding a rollout route, the
     rollout's top-k for that (sample, token, layer), read from the samples' own routes:
@@ -378,12 +407,16 @@ class RouteProbe:
 
     # the counts accumulated on the device, in ProbeCounts' field names
     _ON_DEVICE = ("flips", "prompt_flips", "replay_mismatches", "margin_sum", "small_margins", "expert_load",
-                  "replaced_slots", "reachable")
+                  "replaced_slots", "reachable", "drift_reachable", "drift_flips", "drift_over_reach")
 
     def __init__(self, routers: list, num_layers: int, layout: TokenLayout, routes: Sequence[np.ndarray],
                  loss_masks: Sequence[np.ndarray] | None = None, trace: bool = False,
-                 soft_ratio: float | None = None, unit_roundoff: float = 0.0):
+                 soft_ratio: float | None = None, unit_roundoff: float = 0.0,
+                 drift_reference: DriftReference | None = None):
         self.routers = routers
+        # the drift pass (r3rl.train.drift): the unperturbed pass's rows are kept into it (``keeping``), then the
+        # perturbed pass reads them back in the same router-call order
+        self.drift = drift_reference
         self.soft_ratio = soft_ratio
         self.unit_roundoff = unit_roundoff  # of the engine's dtype: what its rounding of a logit can move it by
         # debug.route_trace: per sample, this rank's part of the digest of the routing Megatron used under replay
@@ -426,6 +459,23 @@ class RouteProbe:
                             for name in self._ON_DEVICE}
         return self._device
 
+    def _drift(self, acc: dict, layer: int, top, own: torch.Tensor, margins: torch.Tensor, reach: torch.Tensor,
+               response: torch.Tensor, scores: torch.Tensor) -> None:
+        """Keep this call's rows (the unperturbed pass) or, in the perturbed pass, count against the kept ones: the
+        move of the kept pair's margin, and the rows the reach plus that move (times ``DriftReference.scale``)
+        covers."""
+        k = own.shape[1]
+        if self.drift.keeping:  # expert ids narrow (int16 holds every MoE's) while they wait for the second pass
+            self.drift.kept.append((top.indices[:, k - 1:k + 1].to(torch.int16), own.to(torch.int16), margins, reach))
+            return
+        pair, own_before, before, reach_before = self.drift.next(len(margins))
+        moved = scores.gather(1, pair.long()).double()
+        delta = ((moved[:, 0] - moved[:, 1]) - before).abs()
+        acc["drift_reachable"][layer] += ((before < reach_before + self.drift.scale * delta) & response).sum()
+        acc["drift_flips"][layer] += (~_same_sets(own, own_before.long()) & response).sum()
+        ratio = delta / torch.clamp(reach_before, min=torch.finfo(torch.float64).tiny)
+        acc["drift_over_reach"][layer] += torch.where(response, ratio, 0.0).sum()
+
     def _hook(self, router, args, output) -> None:
         exp = self._expected
         if exp is None:
@@ -440,7 +490,8 @@ class RouteProbe:
             rollout = routes[:, layer]
             # the top k+1 selection scores carry the router's own top-k and its margin (k-th minus (k+1)-th)
             row_logits = logits[rows]
-            top = torch.topk(selection_scores(row_logits, router), min(k + 1, experts), dim=-1)
+            scores = selection_scores(row_logits, router)
+            top = torch.topk(scores, min(k + 1, experts), dim=-1)
             own = top.indices[:, :k]
             flipped = ~_same_sets(own, rollout)
             self._host.routed_rows[layer] += int(exp.response.sum())
@@ -456,6 +507,8 @@ class RouteProbe:
                 reach = rounding_reach(hidden.reshape(-1, hidden.shape[-1])[rows], row_logits, top, k, router,
                                        self.unit_roundoff)
                 acc["reachable"][layer] += ((margins < reach) & response).sum()
+                if self.drift is not None:
+                    self._drift(acc, layer, top, own, margins, reach, response, scores)
             acc["expert_load"][layer].scatter_add_(0, own.flatten(), response[:, None].expand(-1, k).flatten().long())
             if self._replaying:
                 used = output[1].view(-1, experts)[rows].bool()

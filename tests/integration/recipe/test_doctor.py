@@ -40,7 +40,8 @@ def test_doctor_passes_on_tool_episodes_packed_with_expert_parallel_and_its_cont
     two trainer ranks with experts split between them), if a control got through its check's bound (random routes,
     the routes of one training step away, a one-row shift, a stale engine's checksums), if the layer map missed a
     rank's routers, if the trace's router digests were not summed over both ranks (each holds half the rows), if a
-    bound went unprinted, or if the doctor left a process."""
+    bound went unprinted, if check 3's drift pass moved no margin or widened no layer's reach, or if the doctor left
+    a process."""
     out, checks = run_doctor(tmp_path, *CALCULATOR, *EP2, *EIGHT_PROMPTS)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert {name: c["status"] for name, c in checks.items()} == {
@@ -52,6 +53,11 @@ def test_doctor_passes_on_tool_episodes_packed_with_expert_parallel_and_its_cont
     bounds = routes["flip_bound_per_layer"]
     assert all(f <= b < c for f, b, c in zip(routes["flip_per_layer"], bounds, routes["control_flip_per_layer"]))
     assert any(n > b for n, b in zip(routes["near_miss_flip_per_layer"], bounds))
+    # check 3 at depth: the drift pass moved every layer's margins and widened the one-rounding reach, never narrowed it
+    drift, alone = routes["reachable_per_layer"], routes["rounding_reachable_per_layer"]
+    assert all(d >= r for d, r in zip(drift, alone)) and any(d > r for d, r in zip(drift, alone))
+    assert min(routes["drift_move_over_reach_per_layer"]) > 0 and "drift of its margin" in checks[
+        "routes are the model's"]["bound"]
     assert replay["replay_mismatch_rows"] == 0
     assert replay["shifted_rise"] > replay["z"] * replay["shifted_rise_stderr"] > 0
     assert replay["replay_rise"] <= replay["z"] * replay["replay_rise_stderr"]

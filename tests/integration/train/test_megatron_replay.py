@@ -247,6 +247,30 @@ def test_probe_margins_equal_metrics_definition_on_the_same_router_logits(policy
     assert policy.cfg.rollout.engine.dtype == "bfloat16" and live.reachable_per_layer.max() > 0
 
 
+def test_the_drift_pass_pairs_its_passes_row_by_row_and_moves_margins_only_where_it_rounds(policy):
+    """The doctor's drift pass (check 3 at depth): the replayed pass again with the engine's rounding emulated at
+    every layer, compared router call by router call. With nothing emulated (u = 0) every margin move is 0 and the
+    reach is the replayed pass's own, row for row; with the bf16 engine's u every layer's margins move and the reach
+    only grows; afterwards the model is as before. Fails if the passes were paired out of order (a move with nothing
+    emulated), if a chunk's rows were lost or counted twice, if the drift's reach lost the one-rounding rows, if the
+    emulation moved nothing on a float32 trainer, if the trainer's own rounding were counted there (scale above 1),
+    or if the perturbing hooks stayed on."""
+    from r3rl.train import logprob_pass
+
+    # more samples than a chunk of the drift pass: the chunks' counts must add up to the whole batch's
+    samples = routed(policy, n=logprob_pass.DRIFT_CHUNK_SAMPLES + 5, routes="own")
+    replayed = policy.logprobs(samples, replay=True)
+    still = policy.rounding_drift(samples, emulated_roundoff=0.0)
+    assert (still.move_over_reach_per_layer == 0).all() and (still.flip_per_layer == 0).all()
+    assert still.reachable_per_layer == pytest.approx(replayed.reachable_per_layer, abs=0)
+    moved = policy.rounding_drift(samples)
+    assert (moved.move_over_reach_per_layer > 0).all() and moved.scale == pytest.approx(1.0)
+    assert (moved.reachable_per_layer >= replayed.reachable_per_layer).all()
+    assert (moved.rows_per_layer == replayed.rows_per_layer).all()
+    after = policy.logprobs(samples, replay=True)
+    assert all(np.array_equal(a, b) for a, b in zip(after.logprobs, replayed.logprobs))
+
+
 def test_bad_routes_fail_naming_sample_and_layer(policy):
     samples = routed(policy, routes="random")
     good = [s.routed_experts for s in samples]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from r3rl.doctor import checks as C
 from r3rl.models.layers import hf_moe_layers
@@ -86,6 +87,31 @@ def test_routes_of_another_model_fail_and_a_bound_that_cannot_see_them_fails_too
     assert near_blind.status == C.FAIL and "one training step away" in near_blind.detail
     assert C.routes_are_the_models(np.full(L, 0.002), reach, rows, None, control, 3e-3,
                                    engine_dtype="bfloat16").status == C.FAIL
+
+
+def test_the_drift_measured_at_depth_widens_the_bound_where_it_was_measured():
+    """Deep layers flip more than one rounding explains (their inputs carry the drift of every layer before them):
+    layer 3's 2.5% exceeds its one-rounding bound of ~1.77% and passes once the drift pass finds 2.5% of its rows
+    reachable (bound ~2.8%). Fails if the drift's rows were ignored, if they widened another layer's bound, or if the
+    bound line did not say where the drift came from; the near miss must still exceed the widened bound."""
+    from r3rl.train.logprob_pass import DriftResult
+
+    rows, control = np.full(L, 10_000), np.full(L, 0.96)
+    reach = np.array([0.005, 0.01, 0.008, 0.015])
+    flips, near = np.array([0.002, 0.008, 0.006, 0.025]), np.array([0.004, 0.025, 0.006, 0.04])
+    drift = DriftResult(reach + np.array([0.0, 0.0, 0.0, 0.01]), np.full(L, 0.001), np.array([0.2, 0.3, 0.4, 0.7]),
+                        rows, 1.0)
+    alone = C.routes_are_the_models(flips, reach, rows, near, control, 3e-3, engine_dtype="bfloat16")
+    assert alone.status == C.FAIL and "layer 3" in alone.detail
+    deep = C.routes_are_the_models(flips, reach, rows, near, control, 3e-3, engine_dtype="bfloat16", drift=drift)
+    assert deep.status == C.PASS, deep
+    assert deep.values["flip_bound_per_layer"][:3] == pytest.approx(alone.values["flip_bound_per_layer"][:3])
+    assert deep.values["flip_bound_per_layer"][3] == pytest.approx(0.025 + 2 * np.sqrt(0.025 * 0.975 / 1e4) + 3e-4)
+    assert deep.values["rounding_reachable_per_layer"] == pytest.approx(reach.tolist())
+    assert "drift of its margin" in deep.bound and "0.20-0.70 x the rounding reach" in deep.bound
+    blind = C.routes_are_the_models(flips, reach, rows, np.full(L, 0.004), control, 3e-3, engine_dtype="bfloat16",
+                                    drift=drift)
+    assert blind.status == C.FAIL and "one training step away" in blind.detail
 
 
 def test_the_shift_control_moves_every_route_one_row_down():
