@@ -58,12 +58,13 @@ def probs_from_logits(logits: torch.Tensor, router_config) -> torch.Tensor:
     return torch.nn.functional.softplus(logits.float()).sqrt()
 
 
-def selection_scores(logits: torch.Tensor, router) -> torch.Tensor:
+def selection_scores(logits: torch.Tensor, router, grouped: bool = True) -> torch.Tensor:
     """What a Megatron router ranks experts by, from its logits ``[N, E]``: the logits of a softmax router (the
     softmax keeps their order), a sigmoid router's scores plus its expert-score correction bias, and outside the
     ``moe_router_group_topk`` best groups -inf (DeepSeek-V3's group-limited top-k: a group scores the sum of its
     top ``topk / group_topk``). The route probe's own top-k and margins are taken over these; ranking a biased router
-    by its logits would count every bias-decided pick as a flip."""
+    by its logits would count every bias-decided pick as a flip. ``grouped`` False: the scores before the groups
+    mask any (every expert's finite score)."""
     config = router.config
     if config.moe_router_score_function != "sigmoid":
         return logits.float()
@@ -71,7 +72,7 @@ def selection_scores(logits: torch.Tensor, router) -> torch.Tensor:
     if getattr(router, "expert_bias", None) is not None:
         scores = scores + router.expert_bias.float()
     groups = config.moe_router_num_groups or 1
-    if groups > 1:
+    if groups > 1 and grouped:
         per_group = scores.view(scores.shape[0], groups, -1)
         group_scores = per_group.topk(config.moe_router_topk // config.moe_router_group_topk, dim=-1).values.sum(-1)
         chosen = group_scores.topk(config.moe_router_group_topk, dim=-1).indices
@@ -462,17 +463,23 @@ class RouteProbe:
     def _drift(self, acc: dict, layer: int, top, own: torch.Tensor, margins: torch.Tensor, reach: torch.Tensor,
                response: torch.Tensor, scores: torch.Tensor) -> None:
         """Keep this call's rows (the unperturbed pass) or, in the perturbed pass, count against the kept ones: the
-        move of the kept pair's margin, and the rows the reach plus that move (times ``DriftReference.scale``)
-        covers."""
+        move of the kept pair's margin (``scores``: ungrouped), and the rows the reach plus that move (times
+        ``DriftReference.scale``) covers or the perturbation flipped."""
         k = own.shape[1]
         if self.drift.keeping:  # expert ids narrow (int16 holds every MoE's) while they wait for the second pass
             self.drift.kept.append((top.indices[:, k - 1:k + 1].to(torch.int16), own.to(torch.int16), margins, reach))
             return
         pair, own_before, before, reach_before = self.drift.next(len(margins))
+        # the pair's scores before any group mask: a group the perturbed pass dropped leaves them finite
         moved = scores.gather(1, pair.long()).double()
-        delta = ((moved[:, 0] - moved[:, 1]) - before).abs()
-        acc["drift_reachable"][layer] += ((before < reach_before + self.drift.scale * delta) & response).sum()
-        acc["drift_flips"][layer] += (~_same_sets(own, own_before.long()) & response).sum()
+        # a margin the groups made infinite (no (k+1)-th expert left in the chosen groups) has no move to measure
+        delta = torch.where(torch.isfinite(before), ((moved[:, 0] - moved[:, 1]) - before).abs(), 0.0)
+        flipped = ~_same_sets(own, own_before.long())
+        # a row the emulated rounding flipped is within the precision's reach whatever its pair's move (a changed
+        # group choice flips rows whose pair barely moved)
+        reachable = (before < reach_before + self.drift.scale * delta) | flipped
+        acc["drift_reachable"][layer] += (reachable & response).sum()
+        acc["drift_flips"][layer] += (flipped & response).sum()
         ratio = delta / torch.clamp(reach_before, min=torch.finfo(torch.float64).tiny)
         acc["drift_over_reach"][layer] += torch.where(response, ratio, 0.0).sum()
 
@@ -508,7 +515,8 @@ class RouteProbe:
                                        self.unit_roundoff)
                 acc["reachable"][layer] += ((margins < reach) & response).sum()
                 if self.drift is not None:
-                    self._drift(acc, layer, top, own, margins, reach, response, scores)
+                    self._drift(acc, layer, top, own, margins, reach, response,
+                                selection_scores(row_logits, router, grouped=False))
             acc["expert_load"][layer].scatter_add_(0, own.flatten(), response[:, None].expand(-1, k).flatten().long())
             if self._replaying:
                 used = output[1].view(-1, experts)[rows].bool()

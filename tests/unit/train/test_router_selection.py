@@ -151,3 +151,34 @@ def test_rounding_reach_holds_every_flip_of_real_bfloat16_arithmetic(engine):
     if not sigmoid:
         spread = torch.sqrt(hidden.square() @ weight.square().T).gather(1, pair).double()
         assert (flipped & (margin >= u * spread.sum(-1))).any()
+
+
+def test_the_drift_pass_measures_a_group_limited_router_on_its_ungrouped_scores(case):
+    """DeepSeek-V3's group-limited top-k: where the perturbed pass chose other groups, the unperturbed pass's pair
+    sits in a masked group (-inf). Its move is read on the ungrouped scores, and the flip is counted. Fails if the
+    mean move went NaN or infinite (what the masked scores gave: the tiny DeepSeek-V3's doctor printed NaN), or if
+    the flip or the row's reach went uncounted."""
+    from r3rl.train.replay import DriftReference, RouteProbe
+
+    logits, bias = case
+    router = probe_router(GROUPS, GROUP_TOPK, bias)
+    scores = selection_scores(logits, router)
+    top = torch.topk(scores, TOPK + 1, dim=-1)
+    own, margins = top.indices[:, :TOPK], top.values[:, TOPK - 1].double() - top.values[:, TOPK].double()
+    reach = torch.full_like(margins, 1e-6)
+    ref = DriftReference()
+    probe = types.SimpleNamespace(drift=ref)
+    acc = {name: torch.zeros(1, dtype=torch.float64 if name == "drift_over_reach" else torch.int64)
+           for name in ("drift_reachable", "drift_flips", "drift_over_reach")}
+    response = torch.ones(len(margins), dtype=torch.bool)
+    RouteProbe._drift(probe, acc, 0, top, own, margins, reach, response, None)
+    ref.keeping = False
+    moved = logits.clone()
+    moved[0, own[0]] -= 50.0  # row 0's chosen experts collapse: other groups win it
+    moved_scores = selection_scores(moved, router)
+    moved_top = torch.topk(moved_scores, TOPK + 1, dim=-1)
+    assert torch.isinf(moved_scores.gather(1, top.indices[:1, TOPK - 1:TOPK + 1])).any()  # the grouped pair is masked
+    RouteProbe._drift(probe, acc, 0, moved_top, moved_top.indices[:, :TOPK], margins, reach, response,
+                      selection_scores(moved, router, grouped=False))
+    assert torch.isfinite(acc["drift_over_reach"]).all() and acc["drift_over_reach"].item() > 0
+    assert acc["drift_flips"].item() == 1 and acc["drift_reachable"].item() >= 1
