@@ -149,7 +149,7 @@ class LogprobPasses(ForwardPasses):
         m = self.cfg.model
         counts = self._reduce_counts(ProbeCounts.from_tensor(total, m.num_moe_layers, m.num_experts))
         rows = counts.routed_rows
-        if self.cfg.model.num_experts <= self.cfg.model.moe_topk:  # every expert routed: no margin, no flip
+        if m.num_experts <= m.moe_topk:  # every expert routed: no margin, no flip
             nan = np.full(len(rows), np.nan)
             return DriftResult(nan, nan, nan, rows.copy(), scale)
         return DriftResult(per_row(counts.drift_reachable, rows), per_row(counts.drift_flips, rows),

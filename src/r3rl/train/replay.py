@@ -373,7 +373,7 @@ class _Expected:
 @dataclass
 class DriftReference:
     """Between a drift pass's two passes (``r3rl.train.drift``): per router call of the unperturbed pass, in call
-    order, its rows' top k+1 indices, own top-k, margins and rounding reach, on the device. ``scale``: how much
+    order, its rows' k-th and (k+1)-th experts, own top-k, margins and rounding reach, on the device. ``scale``: how much
     further the engine is than the emulated rounding (``drift.drift_scale``)."""
 
     scale: float = 1.0
@@ -497,8 +497,7 @@ class RouteProbe:
             rollout = routes[:, layer]
             # the top k+1 selection scores carry the router's own top-k and its margin (k-th minus (k+1)-th)
             row_logits = logits[rows]
-            scores = selection_scores(row_logits, router)
-            top = torch.topk(scores, min(k + 1, experts), dim=-1)
+            top = torch.topk(selection_scores(row_logits, router), min(k + 1, experts), dim=-1)
             own = top.indices[:, :k]
             flipped = ~_same_sets(own, rollout)
             self._host.routed_rows[layer] += int(exp.response.sum())
